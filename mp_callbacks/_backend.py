@@ -1,0 +1,61 @@
+"""Import-time checks: mp_callbacks needs Keras 3 on the TensorFlow backend.
+
+Everything else in the package imports TensorFlow and Keras through this
+module, so a missing TensorFlow or a foreign Keras backend fails once, early,
+with a message that says what to install or set.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+_MIN_KERAS = (3, 5)
+_MIN_TF = (2, 16)
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+try:
+    import tensorflow as tf  # noqa: F401
+except ImportError as error:  # pragma: no cover - exercised in a bare venv only
+    raise ImportError(
+        "mp_callbacks needs TensorFlow (>= 2.16) as the Keras backend, and it "
+        "could not be imported. Install a TensorFlow build with one of the "
+        "extras: `pip install \"mp_callbacks[cpu]\"` (tensorflow-cpu) or "
+        "`pip install \"mp_callbacks[gpu]\"` (tensorflow[and-cuda]). "
+        f"Original error: {error}"
+    ) from error
+
+import keras  # noqa: E402
+
+if _version_tuple(keras.__version__) < _MIN_KERAS:  # pragma: no cover
+    raise ImportError(
+        f"mp_callbacks needs Keras >= 3.5; found keras {keras.__version__}. "
+        "Upgrade with `pip install -U keras`."
+    )
+
+if keras.backend.backend() != "tensorflow":
+    raise ImportError(
+        "mp_callbacks needs Keras's TensorFlow backend, but Keras is using "
+        f"the {keras.backend.backend()!r} backend. Set the environment "
+        "variable KERAS_BACKEND=tensorflow before importing Keras (or set "
+        '"backend": "tensorflow" in ~/.keras/keras.json).'
+    )
+
+if _version_tuple(tf.__version__) < _MIN_TF:  # pragma: no cover
+    raise ImportError(
+        f"mp_callbacks needs TensorFlow >= 2.16; found {tf.__version__}."
+    )
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("mp_callbacks")
+    except importlib.metadata.PackageNotFoundError:  # running from a checkout
+        return "0+unknown"

@@ -1,0 +1,391 @@
+"""`MixedPrecisionModel`: a `keras.Model` whose `train_step` scales the loss.
+
+The step is the scaled-loss `tf.GradientTape` recipe of every TF 2.x guide,
+done once and done right: forward pass, `compute_loss`, scale, gradients,
+unscale, one global finiteness decision, then apply or skip. Every epoch's
+logs carry `loss_scale`, `grad_norm` and `skipped_steps`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from mp_callbacks._backend import keras, tf
+from mp_callbacks.loss_scale import DynamicLossScale
+
+__all__ = ["MixedPrecisionModel", "LOG_KEYS"]
+
+logger = logging.getLogger(__name__)
+
+#: Keys that `MixedPrecisionModel.train_step` adds to the training logs.
+LOG_KEYS = ("loss_scale", "grad_norm", "skipped_steps")
+
+_STATE_PREFIX = "mp_loss_scale."
+_AUTO = "auto"
+
+
+def _global_norm_float32(grads: list[Any]) -> tf.Tensor:
+    squares = []
+    for grad in grads:
+        if grad is None:
+            continue
+        if isinstance(grad, tf.IndexedSlices):
+            grad = grad.values
+        squares.append(tf.reduce_sum(tf.square(tf.cast(grad, tf.float32))))
+    if not squares:
+        return tf.constant(0.0, tf.float32)
+    return tf.sqrt(tf.add_n(squares))
+
+
+def _make_loss_scale(value: Any) -> DynamicLossScale | None:
+    """Turns a `loss_scale` argument into a DynamicLossScale (None: "auto")."""
+    if isinstance(value, str):
+        if value != _AUTO:
+            raise ValueError(
+                "MixedPrecisionModel: `loss_scale` must be 'auto', a "
+                "DynamicLossScale, a positive float (fixed scale) or None (no "
+                f"scaling); received loss_scale={value!r}."
+            )
+        return None
+    if value is None:
+        return DynamicLossScale.disabled()
+    if isinstance(value, DynamicLossScale):
+        return value
+    if isinstance(value, dict):
+        return keras.saving.deserialize_keras_object(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not value > 0:
+            raise ValueError(
+                "MixedPrecisionModel: a fixed `loss_scale` must be > 0; "
+                f"received loss_scale={value!r}."
+            )
+        return DynamicLossScale.fixed(float(value))
+    raise TypeError(
+        "MixedPrecisionModel: `loss_scale` must be 'auto', a DynamicLossScale, "
+        "a positive float or None; received "
+        f"loss_scale={value!r} of type {type(value).__name__}."
+    )
+
+
+_FUNCTIONAL_VARIANTS: dict[type, type] = {}
+
+
+def _is_functional_call(args: tuple, kwargs: dict) -> bool:
+    # The same signature test as keras.Model's.
+    return (
+        len(args) == 2
+        or (len(args) == 1 and "outputs" in kwargs)
+        or ("inputs" in kwargs and "outputs" in kwargs)
+    )
+
+
+def _functional_variant(cls: type) -> type:
+    """`cls` with Functional mixed in, made once per class.
+
+    keras.Model handles `SubClass(inputs, outputs)` by rewriting
+    `SubClass.__bases__` in place, which would turn MixedPrecisionModel into
+    a Functional-only class for the rest of the process and break every
+    later subclass with its own `call`. A separate class per use keeps
+    both ways of building a model working side by side.
+    """
+    from keras.src.models.functional import Functional
+
+    variant = _FUNCTIONAL_VARIANTS.get(cls)
+    if variant is None:
+        variant = type(
+            cls.__name__,
+            (cls, Functional),
+            {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
+        )
+        try:  # serialize under the name the user registered for `cls`
+            from keras.src.saving import object_registration
+
+            registered = keras.saving.get_registered_name(cls)
+            object_registration.GLOBAL_CUSTOM_NAMES[variant] = registered
+        except (ImportError, AttributeError):  # pragma: no cover
+            pass
+        _FUNCTIONAL_VARIANTS[cls] = variant
+    return variant
+
+
+class _EpochSignals:
+    """Per-epoch trackers, kept out of Keras's tracking on purpose.
+
+    Held in a plain object so that `model.metrics` and `evaluate()` stay
+    exactly as in stock Keras; `MixedPrecisionModel.reset_metrics` resets
+    them at every epoch start.
+    """
+
+    def __init__(self) -> None:
+        self.grad_norm = keras.metrics.Mean(name="grad_norm")
+        self.skipped_steps = keras.metrics.Sum(name="skipped_steps")
+
+    def reset(self) -> None:
+        self.grad_norm.reset_state()
+        self.skipped_steps.reset_state()
+
+
+@keras.saving.register_keras_serializable(package="mp_callbacks")
+class MixedPrecisionModel(keras.Model):
+    """A Keras model that does loss scaling in its own `train_step`.
+
+    Build it functionally, subclass it, or bring in an existing model with
+    `MixedPrecisionModel.from_model(model)`.
+
+    Args:
+        loss_scale: `"auto"` (default): dynamic loss scaling when the model
+            computes in float16 (`mixed_float16`), none otherwise (bfloat16
+            has float32's range). A `DynamicLossScale` for full control; a
+            positive float for a fixed scale; None for no scaling. Non-finite
+            steps are skipped in every case.
+        *args, **kwargs: as for `keras.Model`.
+
+    `compile` never scales twice: a `keras.mixed_precision.LossScaleOptimizer`
+    passed to it (the TF 2.x recipe) is unwrapped, its initial scale and
+    growth steps taken over when `loss_scale="auto"`, and Keras's automatic
+    wrapping under `mixed_float16` is turned off.
+
+    Training logs gain `loss_scale` (current scale), `grad_norm` (mean global
+    norm of the unscaled gradients over the epoch's applied steps) and
+    `skipped_steps` (steps skipped in the epoch).
+
+    Example:
+
+    ```python
+    import keras
+    from mp_callbacks import MixedPrecisionModel
+
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    inputs = keras.Input((784,))
+    hidden = keras.layers.Dense(64, activation="relu")(inputs)
+    outputs = keras.layers.Dense(10, activation="softmax", dtype="float32")(hidden)
+    model = MixedPrecisionModel(inputs, outputs)
+    model.compile("adam", "sparse_categorical_crossentropy")
+    # history = model.fit(x, y)  ->  history.history["loss_scale"], ...
+    ```
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "MixedPrecisionModel":
+        from keras.src.models.functional import Functional
+
+        if _is_functional_call(args, kwargs) and not issubclass(cls, Functional):
+            cls = _functional_variant(cls)
+        return super().__new__(cls, *args, **kwargs)
+
+    def __init__(self, *args: Any, loss_scale: Any = _AUTO, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._loss_scale = _make_loss_scale(loss_scale)
+        self._epoch_signals = _EpochSignals()
+
+    # ------------------------------------------------------------ creation
+    @classmethod
+    def from_model(
+        cls, model: keras.Model, loss_scale: Any = _AUTO, **kwargs: Any
+    ) -> "MixedPrecisionModel":
+        """Wraps an existing Sequential or functional model.
+
+        The new model shares the original's layers and weights. If the
+        original was compiled, the new one is compiled with the same
+        optimizer object, losses and metrics.
+
+        Args:
+            model: a built `keras.Sequential` or functional `keras.Model`.
+            loss_scale: as for `MixedPrecisionModel`.
+            **kwargs: passed to the constructor (for example `name`).
+        """
+        try:
+            inputs, outputs = model.inputs, model.outputs
+        except (AttributeError, ValueError):
+            inputs = outputs = None
+        if not inputs or not outputs:
+            raise ValueError(
+                "MixedPrecisionModel.from_model needs a model with known inputs "
+                "and outputs (a functional model, or a Sequential that starts "
+                f"with keras.Input); received model={model.name!r} of type "
+                f"{type(model).__name__}. Subclassed models should subclass "
+                "MixedPrecisionModel instead."
+            )
+        kwargs.setdefault("name", model.name)
+        wrapped = cls(inputs=inputs, outputs=outputs, loss_scale=loss_scale, **kwargs)
+        if getattr(model, "compiled", False):
+            config = keras.saving.deserialize_keras_object(model.get_compile_config())
+            config["optimizer"] = model.optimizer
+            wrapped.compile(**config)
+        return wrapped
+
+    # ---------------------------------------------------------- loss scale
+    @property
+    def loss_scale(self) -> DynamicLossScale | None:
+        """The `DynamicLossScale` in use (None until `compile` resolves
+        `loss_scale="auto"`)."""
+        return self._loss_scale
+
+    def _computes_in_float16(self) -> bool:
+        if self.dtype_policy.compute_dtype == "float16":
+            return True
+        return any(
+            getattr(layer, "compute_dtype", None) == "float16"
+            for layer in self._flatten_layers(include_self=False)
+        )
+
+    def _auto_loss_scale(self) -> DynamicLossScale:
+        if self._computes_in_float16():
+            return DynamicLossScale()
+        return DynamicLossScale.disabled()
+
+    def get_loss_scale(self) -> float:
+        """The current loss scale as a Python float (1.0: no scaling)."""
+        if self._loss_scale is None:
+            return 2.0**15 if self._computes_in_float16() else 1.0
+        return self._loss_scale.get_scale()
+
+    def nonfinite_gradient_counts(self) -> dict[str, int]:
+        """Steps with a non-finite gradient so far, per trainable variable.
+
+        Keys are variable paths in forward order; counting is done in-graph
+        on every step, and this method reads the counters once (a host read:
+        call it at epoch end or every N steps, not per batch).
+        """
+        if self._loss_scale is None:
+            return {}
+        return self._loss_scale.nonfinite_gradient_counts()
+
+    # ------------------------------------------------------------- compile
+    def compile(self, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> None:
+        """As `keras.Model.compile`, with one loss scale guaranteed.
+
+        `auto_scale_loss` is always turned off (this model scales the loss
+        itself); a `LossScaleOptimizer` is unwrapped; a `loss_scale_factor`
+        set on the optimizer becomes a fixed loss scale.
+        """
+        if kwargs.pop("auto_scale_loss", False):
+            logger.info(
+                "MixedPrecisionModel scales the loss itself; "
+                "auto_scale_loss=True is ignored."
+            )
+        optimizer = keras.optimizers.get(optimizer)
+        adopted = None
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            adopted = DynamicLossScale(
+                initial_scale=float(optimizer.initial_scale),
+                growth_interval=int(optimizer.dynamic_growth_steps),
+            )
+            optimizer = optimizer.inner_optimizer
+        elif getattr(optimizer, "loss_scale_factor", None) is not None:
+            adopted = DynamicLossScale.fixed(float(optimizer.loss_scale_factor))
+            optimizer.loss_scale_factor = None
+        if adopted is not None:
+            if self._loss_scale is None:
+                self._loss_scale = adopted
+                logger.info("MixedPrecisionModel adopted %r from compile().", adopted)
+            else:
+                logger.info(
+                    "MixedPrecisionModel keeps its loss scale %r; the one "
+                    "given to compile() (%r) is not applied on top.",
+                    self._loss_scale,
+                    adopted,
+                )
+        super().compile(optimizer, *args, auto_scale_loss=False, **kwargs)
+        if self._loss_scale is None:
+            self._loss_scale = self._auto_loss_scale()
+        if self.built:
+            self._loss_scale.build(self.trainable_variables)
+
+    def compile_from_config(self, config: dict[str, Any]) -> None:
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
+    def make_train_function(self, force: bool = False):
+        if self._loss_scale is None:
+            raise RuntimeError(
+                "MixedPrecisionModel must be compiled before training."
+            )
+        with self.distribute_strategy.scope():
+            self._loss_scale.build(self.trainable_variables)
+        return super().make_train_function(force=force)
+
+    # ---------------------------------------------------------------- steps
+    def train_step(self, data: Any) -> dict[str, Any]:
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        loss_scale = self._loss_scale
+        num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
+
+        with tf.GradientTape() as tape:
+            if self._call_has_training_arg:
+                y_pred = self(x, training=True)
+            else:
+                y_pred = self(x)
+            loss = self._compute_loss(
+                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+            )
+            batch_size = tf.shape(
+                next(t for t in tf.nest.flatten(x) if t is not None)
+            )[0]
+            # Keras divides the loss by the replica count under tf.distribute.
+            self._loss_tracker.update_state(
+                loss * num_replicas if num_replicas > 1 else loss,
+                sample_weight=batch_size,
+            )
+            scaled_loss = loss_scale.scale(loss)
+
+        variables = self.trainable_variables
+        if not variables:
+            logger.warning("The model does not have any trainable weights.")
+            applied = tf.constant(False)
+            grad_norm = tf.constant(0.0)
+        else:
+            grads = loss_scale.unscale(tape.gradient(scaled_loss, variables))
+            grad_norm = _global_norm_float32(grads)
+            if num_replicas > 1:
+                grad_norm = grad_norm * num_replicas
+            applied = loss_scale.apply_gradients(
+                self.optimizer, grads, variables, loss=loss
+            )
+        signals = self._epoch_signals
+        signals.grad_norm.update_state(
+            tf.where(applied, grad_norm, 0.0),
+            sample_weight=tf.cast(applied, tf.float32),
+        )
+        signals.skipped_steps.update_state(1.0 - tf.cast(applied, tf.float32))
+
+        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        logs = dict(logs)
+        logs["loss_scale"] = loss_scale.current_scale()
+        logs["grad_norm"] = signals.grad_norm.result()
+        logs["skipped_steps"] = signals.skipped_steps.result()
+        return logs
+
+    def reset_metrics(self) -> None:
+        super().reset_metrics()
+        self._epoch_signals.reset()
+
+    # ---------------------------------------------------------- save / load
+    def get_config(self) -> dict[str, Any]:
+        config = super().get_config()
+        if self._loss_scale is None:
+            config["loss_scale"] = _AUTO
+        else:
+            config["loss_scale"] = keras.saving.serialize_keras_object(
+                self._loss_scale
+            )
+        return config
+
+    def save_own_variables(self, store: Any) -> None:
+        super().save_own_variables(store)
+        if self._loss_scale is not None:
+            for key, value in self._loss_scale.get_state().items():
+                store[_STATE_PREFIX + key] = value
+
+    def load_own_variables(self, store: Any) -> None:
+        own = {k: store[k] for k in store.keys() if not k.startswith(_STATE_PREFIX)}
+        super().load_own_variables(own)
+        state = {
+            k[len(_STATE_PREFIX):]: store[k]
+            for k in store.keys()
+            if k.startswith(_STATE_PREFIX)
+        }
+        if state and self._loss_scale is not None:
+            self._loss_scale.set_state(state)
