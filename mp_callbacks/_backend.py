@@ -8,6 +8,7 @@ with a message that says what to install or set.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 
 _MIN_KERAS = (3, 5)
 _MIN_TF = (2, 16)
@@ -20,6 +21,25 @@ def _version_tuple(version: str) -> tuple[int, ...]:
         parts.append(int(digits or 0))
     return tuple(parts)
 
+
+_BACKEND_HINT = (
+    "Set the environment variable KERAS_BACKEND=tensorflow before importing "
+    'Keras (or set "backend": "tensorflow" in ~/.keras/keras.json).'
+)
+
+
+def _backend_error(backend: str) -> ImportError:
+    return ImportError(
+        "mp_callbacks needs Keras's TensorFlow backend, but Keras is set to "
+        f"the {backend!r} backend. {_BACKEND_HINT}"
+    )
+
+
+# Checked before importing Keras: Keras itself may fail to import on a
+# backend whose packages are missing, which would hide the real cause.
+_requested = os.environ.get("KERAS_BACKEND")
+if _requested and _requested != "tensorflow":
+    raise _backend_error(_requested)
 
 try:
     import tensorflow as tf  # noqa: F401
@@ -41,12 +61,7 @@ if _version_tuple(keras.__version__) < _MIN_KERAS:  # pragma: no cover
     )
 
 if keras.backend.backend() != "tensorflow":
-    raise ImportError(
-        "mp_callbacks needs Keras's TensorFlow backend, but Keras is using "
-        f"the {keras.backend.backend()!r} backend. Set the environment "
-        "variable KERAS_BACKEND=tensorflow before importing Keras (or set "
-        '"backend": "tensorflow" in ~/.keras/keras.json).'
-    )
+    raise _backend_error(keras.backend.backend())
 
 if _version_tuple(tf.__version__) < _MIN_TF:  # pragma: no cover
     raise ImportError(

@@ -1,0 +1,44 @@
+"""Shared test set-up: two logical CPUs, quiet TensorFlow, policy hygiene."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+# MirroredStrategy tests need two devices; logical devices can only be set
+# before TensorFlow initialises its runtime, so do it at collection time.
+_cpus = tf.config.list_physical_devices("CPU")
+try:
+    tf.config.set_logical_device_configuration(
+        _cpus[0],
+        [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()],
+    )
+except RuntimeError:  # runtime already initialised by a plugin
+    pass
+
+import keras  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _restore_dtype_policy():
+    """No test leaks its global dtype policy into the next."""
+    before = keras.config.dtype_policy()
+    yield
+    keras.config.set_dtype_policy(before)
+
+
+@pytest.fixture
+def two_cpu_strategy():
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
+    if len(devices) < 2:
+        pytest.skip("two logical CPU devices are not available")
+    return tf.distribute.MirroredStrategy(devices)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)

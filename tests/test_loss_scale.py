@@ -1,0 +1,276 @@
+"""DynamicLossScale: the state machine against a pure-Python reference."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mp_callbacks import DynamicLossScale
+
+
+@dataclass
+class ReferenceLossScale:
+    """The documented transitions, in plain Python with float32 arithmetic."""
+
+    initial_scale: float
+    growth_interval: int
+    growth_factor: float
+    backoff_factor: float
+    min_scale: float
+    max_scale: float
+    hysteresis: int
+
+    def __post_init__(self):
+        self.scale = np.float32(self.initial_scale)
+        self.good_steps = 0
+        self.hysteresis_left = self.hysteresis
+        self.skipped = 0
+
+    def step(self, finite: bool) -> None:
+        if finite:
+            self.good_steps += 1
+            if self.good_steps >= self.growth_interval:
+                self.scale = min(
+                    self.scale * np.float32(self.growth_factor), np.float32(self.max_scale)
+                )
+                self.good_steps = 0
+                self.hysteresis_left = self.hysteresis
+        else:
+            self.skipped += 1
+            self.good_steps = 0
+            self.hysteresis_left = max(self.hysteresis_left - 1, 0)
+            if self.hysteresis_left <= 0:
+                self.scale = max(
+                    self.scale * np.float32(self.backoff_factor), np.float32(self.min_scale)
+                )
+
+
+@st.composite
+def configs(draw):
+    low = draw(st.integers(0, 10))
+    high = draw(st.integers(low, 24))
+    start = draw(st.integers(low, high))
+    return dict(
+        initial_scale=2.0**start,
+        min_scale=2.0**low,
+        max_scale=2.0**high,
+        growth_interval=draw(st.integers(1, 5)),
+        growth_factor=draw(st.sampled_from([1.5, 2.0, 3.0, 4.0])),
+        backoff_factor=draw(st.sampled_from([0.25, 0.5, 0.75])),
+        hysteresis=draw(st.integers(1, 4)),
+    )
+
+
+def _step(loss_scale, optimizer, variable, finite: bool):
+    grad = tf.constant([1.0, 2.0]) if finite else tf.constant([1.0, math.inf])
+    return bool(loss_scale.apply_gradients(optimizer, [grad], [variable]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(config=configs(), finite_steps=st.lists(st.booleans(), min_size=1, max_size=30))
+def test_state_machine_matches_reference(config, finite_steps):
+    loss_scale = DynamicLossScale(**config)
+    reference = ReferenceLossScale(**config)
+    variable = tf.Variable([0.0, 0.0])
+    optimizer = keras.optimizers.SGD(learning_rate=0.5)
+    for finite in finite_steps:
+        applied = _step(loss_scale, optimizer, variable, finite)
+        reference.step(finite)
+        assert applied is finite
+        state = loss_scale.diagnostics()
+        assert state["scale"] == pytest.approx(float(reference.scale), rel=0, abs=0)
+        assert state["good_steps"] == reference.good_steps
+        assert state["hysteresis_left"] == reference.hysteresis_left
+        assert config["min_scale"] <= state["scale"] <= config["max_scale"]
+    assert state["skipped_steps"] == reference.skipped
+    assert state["step_count"] == len(finite_steps)
+    # The optimizer only ever saw the applied steps.
+    applied_steps = sum(finite_steps)
+    assert int(optimizer.iterations.numpy()) == applied_steps
+    np.testing.assert_allclose(variable.numpy(), [-0.5 * applied_steps, -1.0 * applied_steps])
+
+
+def test_grows_exactly_after_growth_interval_clean_steps():
+    loss_scale = DynamicLossScale(initial_scale=8.0, growth_interval=3)
+    variable = tf.Variable([0.0, 0.0])
+    optimizer = keras.optimizers.SGD(0.1)
+    scales = []
+    for _ in range(7):
+        _step(loss_scale, optimizer, variable, True)
+        scales.append(loss_scale.get_scale())
+    assert scales == [8.0, 8.0, 16.0, 16.0, 16.0, 32.0, 32.0]
+
+
+def test_hysteresis_tolerates_overflows_before_backing_off():
+    loss_scale = DynamicLossScale(initial_scale=64.0, hysteresis=3, growth_interval=100)
+    variable = tf.Variable([0.0, 0.0])
+    optimizer = keras.optimizers.SGD(0.1)
+    scales = []
+    for _ in range(4):
+        _step(loss_scale, optimizer, variable, False)
+        scales.append(loss_scale.get_scale())
+    # Two overflows tolerated, the third backs off, and so does every later one.
+    assert scales == [64.0, 64.0, 32.0, 16.0]
+    assert int(optimizer.iterations.numpy()) == 0
+    np.testing.assert_array_equal(variable.numpy(), [0.0, 0.0])
+
+
+def test_scale_never_leaves_its_bounds():
+    loss_scale = DynamicLossScale(initial_scale=4.0, min_scale=2.0, max_scale=8.0, growth_interval=1)
+    variable = tf.Variable([0.0, 0.0])
+    optimizer = keras.optimizers.SGD(0.1)
+    for _ in range(5):
+        _step(loss_scale, optimizer, variable, True)
+    assert loss_scale.get_scale() == 8.0
+    for _ in range(5):
+        _step(loss_scale, optimizer, variable, False)
+    assert loss_scale.get_scale() == 2.0
+
+
+def test_fixed_and_disabled_scales_still_skip_nonfinite_steps():
+    for loss_scale, expected in ((DynamicLossScale.fixed(128.0), 128.0), (DynamicLossScale.disabled(), 1.0)):
+        variable = tf.Variable([0.0, 0.0])
+        optimizer = keras.optimizers.SGD(0.1)
+        assert not _step(loss_scale, optimizer, variable, False)
+        assert _step(loss_scale, optimizer, variable, True)
+        assert loss_scale.get_scale() == expected
+        assert not loss_scale.is_dynamic
+        np.testing.assert_allclose(variable.numpy(), [-0.1, -0.2])
+    assert not DynamicLossScale.disabled().scaling_active
+    assert DynamicLossScale.fixed(2.0).scaling_active
+    loss = tf.constant(3.0)
+    assert DynamicLossScale.disabled().scale(loss) is loss
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    exponent=st.integers(0, 24),
+    values=st.lists(st.floats(-1e3, 1e3, allow_nan=False, width=32), min_size=1, max_size=8),
+)
+def test_unscale_inverts_scale_for_powers_of_two(exponent, values):
+    loss_scale = DynamicLossScale(initial_scale=2.0**exponent)
+    grads = [tf.constant(values), None]
+    scaled = [g * loss_scale.get_scale() if g is not None else None for g in grads]
+    unscaled = loss_scale.unscale(scaled)
+    assert unscaled[1] is None
+    np.testing.assert_array_equal(unscaled[0].numpy(), np.float32(values))
+    assert float(loss_scale.scale(tf.constant(1.5))) == 1.5 * 2.0**exponent
+
+
+def test_unscale_handles_indexed_slices():
+    loss_scale = DynamicLossScale(initial_scale=4.0)
+    grad = tf.IndexedSlices(tf.constant([[4.0, 8.0]]), tf.constant([1]), tf.constant([3, 2]))
+    (unscaled,) = loss_scale.unscale([grad])
+    assert isinstance(unscaled, tf.IndexedSlices)
+    np.testing.assert_array_equal(unscaled.values.numpy(), [[1.0, 2.0]])
+
+
+def test_nonfinite_loss_and_floor_overflows_count_as_divergence():
+    loss_scale = DynamicLossScale(initial_scale=2.0, min_scale=1.0, growth_interval=100)
+    variable = tf.Variable([0.0, 0.0])
+    optimizer = keras.optimizers.SGD(0.1)
+    _step(loss_scale, optimizer, variable, False)  # 2 -> 1: handled by scaling
+    assert loss_scale.diagnostics()["divergent_run"] == 0
+    _step(loss_scale, optimizer, variable, False)  # at the floor: divergent
+    _step(loss_scale, optimizer, variable, False)
+    assert loss_scale.diagnostics()["divergent_run"] == 2
+    # A non-finite loss is divergence even when the gradients are finite.
+    loss_scale.apply_gradients(optimizer, [tf.constant([1.0, 1.0])], [variable], loss=tf.constant(math.nan))
+    state = loss_scale.diagnostics()
+    assert state["divergent_run"] == 3 and state["nonfinite_loss_steps"] == 1
+    _step(loss_scale, optimizer, variable, True)
+    state = loss_scale.diagnostics()
+    assert state["divergent_run"] == 0 and state["max_divergent_run"] == 3
+    loss_scale.reset_max_divergent_run()
+    assert loss_scale.diagnostics()["max_divergent_run"] == 0
+
+
+def test_per_variable_counts_name_the_nonfinite_variable():
+    loss_scale = DynamicLossScale()
+    good, bad = tf.Variable([0.0], name="good"), tf.Variable([0.0], name="bad")
+    optimizer = keras.optimizers.SGD(0.1)
+    for _ in range(3):
+        loss_scale.apply_gradients(optimizer, [tf.constant([1.0]), tf.constant([math.nan])], [good, bad])
+    counts = loss_scale.nonfinite_gradient_counts()
+    assert list(counts.values()) == [0, 3]
+    assert list(counts)[1].startswith("bad")
+
+
+def test_works_inside_tf_function():
+    loss_scale = DynamicLossScale(initial_scale=2.0**10, growth_interval=2)
+    variable = tf.Variable([1.0, 1.0])
+    optimizer = keras.optimizers.SGD(0.1)
+
+    @tf.function
+    def train_step(target):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum((variable - target) ** 2)
+            scaled = loss_scale.scale(loss)
+        grads = loss_scale.unscale(tape.gradient(scaled, [variable]))
+        return loss_scale.apply_gradients(optimizer, grads, [variable], loss=loss)
+
+    assert bool(train_step(tf.constant([0.0, 0.0])))
+    assert bool(train_step(tf.constant([0.0, 0.0])))
+    assert not bool(train_step(tf.constant([math.inf, 0.0])))
+    np.testing.assert_allclose(variable.numpy(), [0.64, 0.64], rtol=1e-6)
+    assert loss_scale.get_scale() == 2.0**10  # grew to 2**11, then backed off
+
+
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [
+        (dict(initial_scale=0.0), "initial_scale"),
+        (dict(initial_scale=-1.0), "initial_scale"),
+        (dict(initial_scale=math.inf), "initial_scale"),
+        (dict(initial_scale=math.nan), "initial_scale"),
+        (dict(growth_interval=0), "growth_interval"),
+        (dict(growth_interval=1.5), "growth_interval"),
+        (dict(growth_factor=1.0), "growth_factor"),
+        (dict(backoff_factor=1.0), "backoff_factor"),
+        (dict(backoff_factor=0.0), "backoff_factor"),
+        (dict(min_scale=4.0, max_scale=2.0, initial_scale=3.0), "min_scale"),
+        (dict(min_scale=0.0), "min_scale"),
+        (dict(hysteresis=0), "hysteresis"),
+        (dict(initial_scale=2.0**30), "initial_scale"),
+        (dict(initial_scale=0.5), "initial_scale"),
+    ],
+)
+def test_bad_config_names_argument_and_value(kwargs, argument):
+    with pytest.raises(ValueError) as error:
+        DynamicLossScale(**kwargs)
+    message = str(error.value)
+    assert f"`{argument}`" in message
+    assert f"{argument}={kwargs[argument]!r}" in message
+
+
+def test_config_round_trip_and_keras_serialization():
+    original = DynamicLossScale(
+        initial_scale=256.0, growth_interval=7, growth_factor=3.0,
+        backoff_factor=0.25, min_scale=2.0, max_scale=2.0**20, hysteresis=2,
+    )
+    clone = DynamicLossScale.from_config(original.get_config())
+    assert clone.get_config() == original.get_config()
+    revived = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(original))
+    assert isinstance(revived, DynamicLossScale)
+    assert revived.get_config() == original.get_config()
+
+
+def test_tf_checkpoint_round_trip(tmp_path):
+    loss_scale = DynamicLossScale(initial_scale=1024.0)
+    variable = tf.Variable([0.0, 0.0])
+    optimizer = keras.optimizers.SGD(0.1)
+    _step(loss_scale, optimizer, variable, False)
+    _step(loss_scale, optimizer, variable, True)
+    path = tf.train.Checkpoint(loss_scale=loss_scale).save(str(tmp_path / "ckpt"))
+    restored = DynamicLossScale(initial_scale=1024.0)
+    tf.train.Checkpoint(loss_scale=restored).restore(path).assert_existing_objects_matched()
+    assert restored.get_scale() == 512.0
+    assert restored.diagnostics()["good_steps"] == 1
+    assert restored.diagnostics()["skipped_steps"] == 1

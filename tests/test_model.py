@@ -1,0 +1,357 @@
+"""MixedPrecisionModel: real fits against stock Keras."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import mp_callbacks as mp
+from helpers import NaNGradientDense, classification_data, tiny_classifier
+
+
+def _regression_graph(regularized: bool = False, two_outputs: bool = False):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((5,))
+    regularizer = keras.regularizers.L2(0.01) if regularized else None
+    hidden = keras.layers.Dense(8, activation="tanh", kernel_regularizer=regularizer)(inputs)
+    first = keras.layers.Dense(3, name="first")(hidden)
+    if not two_outputs:
+        return inputs, first
+    second = keras.layers.Dense(1, name="second")(hidden)
+    return inputs, [first, second]
+
+
+CASES = {
+    "plain": dict(),
+    "sample_weight": dict(sample_weight=True),
+    "class_weight": dict(class_weight={0: 1.0, 1: 3.0, 2: 0.5}),
+    "regularized": dict(regularized=True),
+    "two_outputs": dict(two_outputs=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_float32_training_matches_stock_keras(case):
+    """With a power-of-two scale, scaling then unscaling is exact in float32:
+    the model must train to the same weights as stock keras.Model."""
+    options = CASES[case]
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(48, 5)).astype("float32")
+    labels = rng.integers(0, 3, size=48)
+    fit_kwargs = dict(epochs=2, batch_size=16, shuffle=False, verbose=0)
+    if options.get("two_outputs"):
+        y = [labels, rng.normal(size=(48, 1)).astype("float32")]
+        loss = [keras.losses.SparseCategoricalCrossentropy(from_logits=True), "mse"]
+        compile_kwargs = dict(loss=loss, loss_weights=[1.0, 0.5])
+    else:
+        y = labels
+        compile_kwargs = dict(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    if options.get("sample_weight"):
+        fit_kwargs["sample_weight"] = rng.uniform(0.1, 2.0, size=48).astype("float32")
+    if "class_weight" in options:
+        fit_kwargs["class_weight"] = options["class_weight"]
+
+    graph = dict(regularized=options.get("regularized", False), two_outputs=options.get("two_outputs", False))
+    stock = keras.Model(*_regression_graph(**graph))
+    ours = mp.MixedPrecisionModel(*_regression_graph(**graph), loss_scale=mp.DynamicLossScale(initial_scale=2.0**12))
+    ours.set_weights(stock.get_weights())
+    stock.compile(keras.optimizers.SGD(0.1, momentum=0.9), **compile_kwargs)
+    ours.compile(keras.optimizers.SGD(0.1, momentum=0.9), **compile_kwargs)
+    stock_history = stock.fit(x, y, **fit_kwargs).history
+    our_history = ours.fit(x, y, **fit_kwargs).history
+
+    for ours_w, stock_w in zip(ours.get_weights(), stock.get_weights()):
+        np.testing.assert_allclose(ours_w, stock_w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(our_history["loss"], stock_history["loss"], rtol=1e-5)
+    assert set(our_history) == set(stock_history) | set(mp.LOG_KEYS)
+    assert our_history["loss_scale"] == [2.0**12, 2.0**12]
+    assert our_history["skipped_steps"] == [0.0, 0.0]
+    assert all(g > 0 for g in our_history["grad_norm"])
+
+
+@pytest.fixture(scope="module")
+def trained_pair():
+    """A trained MixedPrecisionModel and a stock model with the same weights."""
+    x, y = classification_data()
+    model = tiny_classifier(loss_scale=mp.DynamicLossScale(initial_scale=64.0, growth_interval=3))
+    model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
+    history = model.fit(x, y, epochs=2, batch_size=16, verbose=0)
+    stock = keras.Model(model.inputs, model.outputs)
+    stock.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model, stock, history, (x, y)
+
+
+def test_history_has_the_three_keys_every_epoch(trained_pair):
+    model, _, history, _ = trained_pair
+    logs = history.history
+    assert set(mp.LOG_KEYS) <= set(logs)
+    assert all(len(logs[key]) == 2 for key in mp.LOG_KEYS)
+    # 4 clean steps per epoch, growth every 3: 64 -> 128 (step 3) -> 256 (step 6).
+    assert logs["loss_scale"] == [128.0, 256.0]
+    assert model.get_loss_scale() == 256.0
+    assert isinstance(model.get_loss_scale(), float)
+    assert logs["skipped_steps"] == [0.0, 0.0]
+
+
+def test_grad_norm_is_the_mean_global_norm_of_unscaled_gradients():
+    x, y = classification_data(n=16)
+    model = tiny_classifier(loss_scale=mp.DynamicLossScale(initial_scale=2.0**10))
+    model.compile(keras.optimizers.SGD(0.0), "sparse_categorical_crossentropy")
+    with tf.GradientTape() as tape:
+        loss = keras.losses.sparse_categorical_crossentropy(y, model(x, training=True))
+        loss = tf.reduce_mean(loss)
+    expected = tf.linalg.global_norm(tape.gradient(loss, model.trainable_variables))
+    history = model.fit(x, y, epochs=1, batch_size=16, verbose=0).history
+    assert history["grad_norm"][0] == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_evaluate_and_predict_behave_as_stock_keras(trained_pair):
+    model, stock, _, (x, y) = trained_pair
+    ours = model.evaluate(x, y, verbose=0, return_dict=True)
+    theirs = stock.evaluate(x, y, verbose=0, return_dict=True)
+    assert ours.keys() == theirs.keys() == {"loss", "accuracy"}
+    for key in ours:
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-6)
+    assert model.evaluate(x, y, verbose=0) == pytest.approx(stock.evaluate(x, y, verbose=0))
+    np.testing.assert_allclose(model.predict(x, verbose=0), stock.predict(x, verbose=0))
+    assert [m.name for m in model.metrics] == [m.name for m in stock.metrics]
+
+
+def test_overflow_skips_steps_without_touching_weights_or_optimizer():
+    x, y = classification_data(n=32)
+    model = tiny_classifier(loss_scale=mp.DynamicLossScale.fixed(2.0**127))
+    model.compile(keras.optimizers.Adam(0.01), keras.losses.MeanSquaredError())
+    targets = np.full((32, 3), 100.0, "float32")  # loss * 2**127 overflows float32
+    before = [w.copy() for w in model.get_weights()]
+    history = model.fit(x, targets, epochs=1, batch_size=8, verbose=0).history
+    assert history["skipped_steps"] == [4.0]
+    assert history["grad_norm"] == [0.0]  # no applied step to average over
+    assert int(model.optimizer.iterations.numpy()) == 0
+    for w_after, w_before in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(w_after, w_before)
+    for slot in model.optimizer.variables:
+        assert np.all(np.isfinite(slot.numpy()))
+        if slot.path.endswith(("momentum", "velocity")):
+            assert not np.any(slot.numpy())
+
+
+def test_dynamic_scale_backs_off_until_steps_are_finite():
+    x, _ = classification_data(n=64)
+    targets = np.full((64, 3), 100.0, "float32")
+    model = tiny_classifier(
+        loss_scale=mp.DynamicLossScale(initial_scale=2.0**127, max_scale=2.0**127)
+    )
+    model.compile(keras.optimizers.SGD(1e-4), "mse")
+    history = model.fit(x, targets, epochs=2, batch_size=2, verbose=0).history
+    skipped = history["skipped_steps"]
+    assert skipped[0] > 0 and skipped[1] == 0
+    state = model.loss_scale.diagnostics()
+    assert state["skipped_steps"] == skipped[0]
+    assert int(model.optimizer.iterations.numpy()) == 64 - skipped[0]
+    assert history["loss_scale"][0] == 2.0 ** (127 - skipped[0])
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+
+
+def test_steps_per_execution_and_jit_compile_train_identically():
+    x, y = classification_data(n=48)
+    targets = np.eye(3, dtype="float32")[y] * 50.0
+    results = []
+    for steps_per_execution, jit_compile in ((1, False), (3, True)):
+        model = tiny_classifier(
+            seed=5, loss_scale=mp.DynamicLossScale(initial_scale=2.0**127, max_scale=2.0**127)
+        )
+        model.compile(
+            keras.optimizers.SGD(1e-3), "mse",
+            steps_per_execution=steps_per_execution, jit_compile=jit_compile,
+        )
+        history = model.fit(x, targets, epochs=2, batch_size=4, shuffle=False, verbose=0).history
+        results.append((history, model.get_weights(), model.loss_scale.diagnostics()))
+    (h1, w1, d1), (h2, w2, d2) = results
+    assert h1["skipped_steps"] == h2["skipped_steps"]
+    assert sum(h1["skipped_steps"]) == d1["skipped_steps"] > 0
+    assert h1["loss_scale"] == h2["loss_scale"]
+    assert d1 == d2
+    for a, b in zip(w1, w2):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_gradient_clipping_acts_on_unscaled_gradients():
+    x, y = classification_data(n=32)
+    model = tiny_classifier(loss_scale=mp.DynamicLossScale.fixed(2.0**12))
+    model.compile(keras.optimizers.SGD(1.0, clipnorm=1e-3), "sparse_categorical_crossentropy")
+    before = [w.copy() for w in model.get_weights()]
+    model.fit(x, y, epochs=1, batch_size=32, verbose=0)
+    for w_after, w_before in zip(model.get_weights(), before):
+        step_norm = np.linalg.norm(w_after - w_before)
+        # Unclipped gradients here are far larger than 1e-3, so each update
+        # has norm exactly lr * clipnorm; clipping the scaled gradient would
+        # have given 1e-3 / 4096.
+        assert step_norm == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_mixed_float16_auto_uses_one_dynamic_scale():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    x, y = classification_data(n=32)
+    model = tiny_classifier()
+    model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy")
+    assert not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert model.loss_scale.is_dynamic and model.loss_scale.initial_scale == 2.0**15
+    history = model.fit(x, y, epochs=1, batch_size=16, verbose=0).history
+    assert history["loss_scale"] == [2.0**15]
+    assert model.layers[1].compute_dtype == "float16"
+
+
+def test_seed_recipe_loss_scale_optimizer_is_adopted_not_stacked():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    x, y = classification_data(n=32)
+    model = tiny_classifier()
+    wrapped = keras.mixed_precision.LossScaleOptimizer(
+        keras.optimizers.SGD(0.01), initial_scale=256.0, dynamic_growth_steps=2
+    )
+    model.compile(wrapped, "sparse_categorical_crossentropy")
+    assert model.optimizer is wrapped.inner_optimizer
+    assert model.loss_scale.initial_scale == 256.0
+    assert model.loss_scale.growth_interval == 2
+    history = model.fit(x, y, epochs=1, batch_size=8, verbose=0).history
+    # 4 clean steps, growth every 2: one consistent scale 256 -> 1024.
+    assert history["loss_scale"] == [1024.0]
+    assert not wrapped.built
+
+
+def test_bfloat16_and_float32_auto_use_no_scaling():
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    model = tiny_classifier()
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    assert not model.loss_scale.scaling_active
+    assert model.get_loss_scale() == 1.0
+
+
+def test_per_variable_nonfinite_counts_name_the_poisoned_layer():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(4, activation="relu", name="clean")(inputs)
+    hidden = NaNGradientDense(4, name="poisoned")(hidden)
+    outputs = keras.layers.Dense(3, name="head")(hidden)
+    model = mp.MixedPrecisionModel(inputs, outputs)
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = classification_data(n=32)
+    history = model.fit(x, y, epochs=1, batch_size=8, verbose=0).history
+    counts = model.nonfinite_gradient_counts()
+    assert history["skipped_steps"] == [4.0]
+    assert list(counts) == [v.path for v in model.trainable_variables]
+    assert {path: n for path, n in counts.items() if n} == {"poisoned/kernel": 4}
+
+
+class SubclassedNet(mp.MixedPrecisionModel):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(4, activation="relu")
+        self.head = keras.layers.Dense(3, activation="softmax", dtype="float32")
+
+    def call(self, inputs):
+        return self.head(self.hidden(inputs))
+
+
+def test_subclassed_and_functional_models_coexist():
+    functional = tiny_classifier()  # must not turn the class Functional-only
+    net = SubclassedNet(loss_scale=32.0)
+    x, y = classification_data(n=32)
+    net.compile("sgd", "sparse_categorical_crossentropy")
+    history = net.fit(x, y, epochs=1, batch_size=16, verbose=0).history
+    assert history["loss_scale"] == [32.0]
+    assert isinstance(functional, mp.MixedPrecisionModel)
+    assert isinstance(net, mp.MixedPrecisionModel)
+    assert not isinstance(net, keras.src.models.functional.Functional)
+
+
+def test_from_model_wraps_sequential_and_keeps_weights_and_optimizer():
+    keras.utils.set_random_seed(0)
+    sequential = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(3, activation="softmax")]
+    )
+    optimizer = keras.optimizers.Adam(0.01)
+    sequential.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"])
+    model = mp.MixedPrecisionModel.from_model(sequential, loss_scale=8.0)
+    assert model.optimizer is optimizer
+    assert [id(v) for v in model.weights] == [id(v) for v in sequential.weights]
+    x, y = classification_data(n=32)
+    history = model.fit(x, y, epochs=1, batch_size=16, verbose=0).history
+    assert {"accuracy", "loss", *mp.LOG_KEYS} <= set(history)
+    np.testing.assert_allclose(model.predict(x, verbose=0), sequential.predict(x, verbose=0))
+
+    unbuilt = keras.Sequential([keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="keras.Input"):
+        mp.MixedPrecisionModel.from_model(unbuilt)
+
+
+@pytest.mark.parametrize("bad", ["dynamic", -1.0, 0, True, [2.0]])
+def test_bad_loss_scale_argument_is_named(bad):
+    with pytest.raises((ValueError, TypeError), match="loss_scale"):
+        tiny_classifier(loss_scale=bad)
+
+
+def test_keras_save_and_load_keep_config_and_current_scale(tmp_path, trained_pair):
+    model, _, _, (x, _) = trained_pair
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)  # no custom_objects
+    assert type(loaded).__name__ == "MixedPrecisionModel"
+    assert isinstance(loaded, mp.MixedPrecisionModel)
+    assert loaded.loss_scale.get_config() == model.loss_scale.get_config()
+    assert loaded.get_loss_scale() == model.get_loss_scale() == 256.0
+    assert loaded.loss_scale.diagnostics() == model.loss_scale.diagnostics()
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
+def test_weights_checkpoint_round_trip_keeps_scale(tmp_path):
+    x, y = classification_data(n=32)
+    targets = np.full((32, 3), 100.0, "float32")
+    model = tiny_classifier(loss_scale=mp.DynamicLossScale(initial_scale=2.0**127, max_scale=2.0**127))
+    model.compile(keras.optimizers.SGD(1e-4), "mse")
+    model.fit(x, targets, epochs=1, batch_size=4, verbose=0)
+    path = str(tmp_path / "ckpt.weights.h5")
+    model.save_weights(path)
+
+    fresh = tiny_classifier(seed=9, loss_scale=mp.DynamicLossScale(initial_scale=2.0**127, max_scale=2.0**127))
+    fresh.compile(keras.optimizers.SGD(1e-4), "mse")
+    assert fresh.get_loss_scale() == 2.0**127
+    fresh.load_weights(path)
+    assert fresh.get_loss_scale() == model.get_loss_scale() < 2.0**127
+    assert fresh.loss_scale.diagnostics() == model.loss_scale.diagnostics()
+    for a, b in zip(fresh.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_mirrored_strategy_skips_on_every_replica(two_cpu_strategy):
+    x, y = classification_data(n=64)
+    x[60:] = np.nan  # second half of the last batch: one replica goes non-finite
+    with two_cpu_strategy.scope():
+        model = tiny_classifier(loss_scale=mp.DynamicLossScale(initial_scale=2.0**8))
+        model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy")
+    history = model.fit(x, y, epochs=1, batch_size=8, shuffle=False, verbose=0).history
+    assert history["skipped_steps"] == [1.0]
+    assert int(model.optimizer.iterations.numpy()) == 7
+    scale_replicas = [v.numpy() for v in model.loss_scale._scale.values]
+    assert scale_replicas == [128.0, 128.0]
+    assert history["loss_scale"] == [128.0]
+    for variable in model.trainable_variables:
+        replicas = [v.numpy() for v in variable.value.values] if hasattr(variable.value, "values") else [variable.numpy()]
+        for replica in replicas[1:]:
+            np.testing.assert_array_equal(replica, replicas[0])
+        assert np.all(np.isfinite(replicas[0]))
+
+
+def test_import_fails_clearly_on_another_backend():
+    env = dict(os.environ, KERAS_BACKEND="numpy")
+    result = subprocess.run(
+        [sys.executable, "-c", "import mp_callbacks"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode != 0
+    assert "ImportError" in result.stderr
+    assert "KERAS_BACKEND=tensorflow" in result.stderr
