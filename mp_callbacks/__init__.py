@@ -9,9 +9,18 @@ Public API:
 """
 
 from mp_callbacks._backend import package_version as _package_version
+from mp_callbacks.hardware import POLICIES, inspect_hardware, recommend_policy
 from mp_callbacks.loss_scale import DynamicLossScale
 from mp_callbacks.model import LOG_KEYS, MixedPrecisionModel
 
 __version__ = _package_version()
 
-__all__ = ["DynamicLossScale", "MixedPrecisionModel", "LOG_KEYS", "__version__"]
+__all__ = [
+    "DynamicLossScale",
+    "MixedPrecisionModel",
+    "LOG_KEYS",
+    "POLICIES",
+    "inspect_hardware",
+    "recommend_policy",
+    "__version__",
+]
