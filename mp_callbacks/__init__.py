@@ -6,17 +6,30 @@ Public API:
 * `MixedPrecisionModel`: a `keras.Model` whose `train_step` scales the loss,
   skips non-finite steps and reports `loss_scale`, `grad_norm` and
   `skipped_steps` in the training logs.
+* `LossScaleMonitor`, `NaNGradientMonitor`, `EpochTimer`: callbacks for any
+  `model.fit`.
+* `recommend_policy()`, `inspect_hardware()`: which dtype policy this
+  machine can speed up.
 """
 
 from mp_callbacks._backend import package_version as _package_version
+from mp_callbacks.epoch_timer import EpochTimer
+from mp_callbacks.errors import MixedPrecisionWarning, NonFiniteGradientError
 from mp_callbacks.hardware import POLICIES, inspect_hardware, recommend_policy
 from mp_callbacks.loss_scale import DynamicLossScale
+from mp_callbacks.loss_scale_monitor import LossScaleMonitor
 from mp_callbacks.model import LOG_KEYS, MixedPrecisionModel
+from mp_callbacks.nan_gradient_monitor import NaNGradientMonitor
 
 __version__ = _package_version()
 
 __all__ = [
     "DynamicLossScale",
+    "EpochTimer",
+    "LossScaleMonitor",
+    "MixedPrecisionWarning",
+    "NaNGradientMonitor",
+    "NonFiniteGradientError",
     "MixedPrecisionModel",
     "LOG_KEYS",
     "POLICIES",

@@ -469,19 +469,6 @@ class DynamicLossScale(tf.Module):
         and `max_divergent_run` (longest such run since the last
         `reset_max_divergent_run`).
         """
-        values = [
-            v.numpy()
-            for v in (
-                self._scale,
-                self._good_steps,
-                self._hysteresis_left,
-                self._step_count,
-                self._skipped_count,
-                self._nonfinite_loss_count,
-                self._divergent_run,
-                self._max_divergent_run,
-            )
-        ]
         keys = (
             "scale",
             "good_steps",
@@ -492,6 +479,18 @@ class DynamicLossScale(tf.Module):
             "divergent_run",
             "max_divergent_run",
         )
+        variables = (
+            self._scale,
+            self._good_steps,
+            self._hysteresis_left,
+            self._step_count,
+            self._skipped_count,
+            self._nonfinite_loss_count,
+            self._divergent_run,
+            self._max_divergent_run,
+        )
+        # One device-to-host transfer; float64 holds the counters exactly.
+        values = tf.stack([tf.cast(v, tf.float64) for v in variables]).numpy()
         result: dict[str, float | int] = {
             key: int(value) for key, value in zip(keys, values)
         }

@@ -1,0 +1,186 @@
+"""`EpochTimer`: how long each epoch takes, and how many steps and samples
+per second that is."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from typing import Any
+
+from mp_callbacks._backend import keras
+from mp_callbacks._callback_support import ConfigCopyMixin
+
+__all__ = ["EpochTimer"]
+
+logger = logging.getLogger(__name__)
+
+
+class EpochTimer(ConfigCopyMixin, keras.callbacks.Callback):
+    """Times every epoch and puts the figures in the epoch logs.
+
+    Logs `epoch_time` (seconds of training in the epoch, validation
+    excluded), `steps_per_sec` and `samples_per_sec`, and with
+    `time_validation=True` also `val_time`. The first epoch includes
+    tracing and compilation, so it is marked and left out of the summary's
+    median. Uses a monotonic clock and reads nothing from the device per
+    step: the sample count is read once per epoch from the model's loss
+    tracker (or computed from `batch_size` when given). Works on any
+    `keras.Model`.
+
+    Args:
+        time_validation: also log the validation time as `val_time`.
+        batch_size: samples per step, for models whose sample count cannot
+            be read (custom `train_step` without Keras's loss tracker).
+
+    Attributes:
+        records: one dict per epoch: `epoch`, `epoch_time`, `steps`,
+            `samples`, `steps_per_sec`, `samples_per_sec`, `val_time`,
+            `warm` (False for the first epoch of a fit).
+
+    Example:
+
+    ```python
+    import keras, numpy as np
+    from mp_callbacks import EpochTimer
+
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    timer = EpochTimer(time_validation=True)
+    history = model.fit(np.ones((64, 8)), np.zeros((64, 1)), batch_size=16,
+                        epochs=3, validation_split=0.25, callbacks=[timer], verbose=0)
+    print(history.history["samples_per_sec"], timer.summary()["median_epoch_time"])
+    ```
+    """
+
+    def __init__(self, time_validation: bool = False, batch_size: int | None = None) -> None:
+        super().__init__()
+        if batch_size is not None and (
+            not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1
+        ):
+            raise ValueError(
+                "EpochTimer: `batch_size` must be None or an integer >= 1; "
+                f"received batch_size={batch_size!r}."
+            )
+        self.time_validation = bool(time_validation)
+        self.batch_size = batch_size
+        self.async_safe = True
+        self.records: list[dict[str, Any]] = []
+        self._clock = time.perf_counter
+        self._in_epoch = False
+        self._train_begin = 0.0
+        self._epoch_begin = 0.0
+        self._train_seconds: float | None = None
+        self._samples: float | None = None
+        self._val_begin = 0.0
+        self._val_seconds: float | None = None
+        self._epoch_steps = 0
+        self._total_seconds = 0.0
+        self._warned_samples = False
+
+    def get_config(self) -> dict[str, Any]:
+        return {"time_validation": self.time_validation, "batch_size": self.batch_size}
+
+    # ------------------------------------------------------------- hooks
+    def on_train_begin(self, logs=None):
+        self.records = []
+        self._train_begin = self._clock()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._in_epoch = True
+        self._train_seconds = None
+        self._val_seconds = None
+        self._samples = None
+        self._epoch_steps = 0
+        self._epoch_begin = self._clock()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._epoch_steps = max(self._epoch_steps, batch + 1)
+
+    def on_test_begin(self, logs=None):
+        if self._in_epoch and self._train_seconds is None:  # fit's validation
+            self._end_training_part()
+            self._val_begin = self._clock()
+
+    def on_test_end(self, logs=None):
+        if self._in_epoch and self._train_seconds is not None:
+            self._val_seconds = self._clock() - self._val_begin
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = logs if logs is not None else {}
+        if self._train_seconds is None:
+            self._end_training_part()
+        self._in_epoch = False
+        seconds = self._train_seconds
+        record: dict[str, Any] = {
+            "epoch": epoch,
+            "epoch_time": seconds,
+            "steps": self._epoch_steps,
+            "samples": self._samples,
+            "steps_per_sec": self._epoch_steps / seconds if seconds > 0 else float("nan"),
+            "samples_per_sec": (
+                self._samples / seconds if self._samples is not None and seconds > 0 else None
+            ),
+            "val_time": self._val_seconds,
+            "warm": bool(self.records),
+        }
+        self.records.append(record)
+        logs["epoch_time"] = seconds
+        logs["steps_per_sec"] = record["steps_per_sec"]
+        if record["samples_per_sec"] is not None:
+            logs["samples_per_sec"] = record["samples_per_sec"]
+        if self.time_validation and self._val_seconds is not None:
+            logs["val_time"] = self._val_seconds
+
+    def on_train_end(self, logs=None):
+        self._total_seconds = self._clock() - self._train_begin
+        summary = self.summary()
+        if summary["epochs"]:
+            logger.info(
+                "EpochTimer: %d epoch(s) in %.2f s; first epoch (tracing included) %.2f s; "
+                "median warm epoch %.2f s (%s samples/s).",
+                summary["epochs"], summary["total_time"], summary["first_epoch_time"],
+                summary["median_epoch_time"],
+                "n/a" if summary["median_samples_per_sec"] is None
+                else f"{summary['median_samples_per_sec']:.0f}",
+            )
+
+    # ------------------------------------------------------------ results
+    def summary(self) -> dict[str, Any]:
+        """`epochs`, `total_time` (whole fit), `first_epoch_time`,
+        `median_epoch_time`, `median_steps_per_sec`, `median_samples_per_sec`
+        (medians over warm epochs, or the only epoch when there is one)."""
+        warm = [r for r in self.records if r["warm"]] or self.records
+        rates = [r["samples_per_sec"] for r in warm if r["samples_per_sec"] is not None]
+        return {
+            "epochs": len(self.records),
+            "total_time": self._total_seconds,
+            "first_epoch_time": self.records[0]["epoch_time"] if self.records else None,
+            "median_epoch_time": statistics.median(r["epoch_time"] for r in warm) if warm else None,
+            "median_steps_per_sec": statistics.median(r["steps_per_sec"] for r in warm) if warm else None,
+            "median_samples_per_sec": statistics.median(rates) if rates else None,
+        }
+
+    # ------------------------------------------------------------ helpers
+    def _end_training_part(self) -> None:
+        self._train_seconds = self._clock() - self._epoch_begin
+        self._samples = self._count_samples()
+
+    def _count_samples(self) -> float | None:
+        # Keras's loss tracker is a Mean weighted by batch size: its count is
+        # the number of samples trained on this epoch (one read per epoch).
+        tracker = getattr(self.model, "_loss_tracker", None)
+        count = getattr(tracker, "count", None)
+        if count is not None:
+            samples = float(keras.ops.convert_to_numpy(count))
+            if samples > 0:
+                return samples
+        if self.batch_size is not None:
+            return float(self.batch_size * self._epoch_steps)
+        if not self._warned_samples:
+            self._warned_samples = True
+            logger.info(
+                "EpochTimer: cannot count samples for %r; pass batch_size= to get samples_per_sec.",
+                self.model.name,
+            )
+        return None

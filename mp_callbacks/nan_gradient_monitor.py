@@ -1,0 +1,233 @@
+"""`NaNGradientMonitor`: overflow that loss scaling handles, told apart from
+divergence, with the variables and the layer where it starts."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import warnings
+from typing import Any
+
+from mp_callbacks._backend import keras
+from mp_callbacks._callback_support import ConfigCopyMixin
+from mp_callbacks.errors import MixedPrecisionWarning, NonFiniteGradientError
+
+__all__ = ["NaNGradientMonitor"]
+
+logger = logging.getLogger(__name__)
+
+_ACTIONS = ("stop", "raise", "warn")
+
+
+def _layer_of(variable_path: str) -> str:
+    return variable_path.rsplit("/", 1)[0] if "/" in variable_path else variable_path
+
+
+class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
+    """Counts non-finite gradient steps and acts when training diverges.
+
+    With `MixedPrecisionModel`, a skipped step whose scale is still above its
+    minimum is overflow that loss scaling is handling: it is counted and
+    training goes on. Divergence is a non-finite loss, or non-finite
+    gradients with the scale pinned at its minimum (or with no loss scaling
+    at all), for `patience` consecutive steps. The diagnosis names the
+    variables whose gradients were non-finite and the layer nearest the loss
+    among them. `TerminateOnNaN` and Keras's `LossScaleOptimizer` give no
+    location; `tf.debugging.enable_check_numerics` does, at a large cost.
+
+    Nothing is read from the device per step: the model's in-graph counters
+    (which miss nothing in between) are read every `check_every` steps and
+    at every epoch end. On a stock `keras.Model` only the loss is watched,
+    at the same points.
+
+    Args:
+        patience: consecutive divergent steps that count as divergence.
+        action: `"stop"` (set `model.stop_training`, like `TerminateOnNaN`),
+            `"raise"` (raise `NonFiniteGradientError`) or `"warn"`
+            (`MixedPrecisionWarning`).
+        check_every: read the counters every this many training steps.
+
+    Attributes:
+        nonfinite_steps: steps skipped for non-finite gradients so far.
+        handled_steps: those of them that loss scaling handled.
+        error: the `NonFiniteGradientError` describing the divergence, or
+            None while training is healthy.
+
+    Puts `nonfinite_steps` (this epoch's count) in the epoch logs.
+
+    Example:
+
+    ```python
+    import keras, numpy as np
+    from mp_callbacks import MixedPrecisionModel, NaNGradientMonitor
+
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(1, name="head")(inputs)
+    model = MixedPrecisionModel(inputs, outputs, loss_scale=None)
+    model.compile("sgd", "mse")
+    monitor = NaNGradientMonitor(patience=2, action="stop", check_every=1)
+    x = np.full((16, 4), np.nan, "float32")
+    model.fit(x, np.zeros((16, 1)), batch_size=4, callbacks=[monitor], verbose=0)
+    print(monitor.error.origin, monitor.error.variables)  # head ['head/kernel', 'head/bias']
+    ```
+    """
+
+    def __init__(self, patience: int = 1, action: str = "stop", check_every: int = 200) -> None:
+        super().__init__()
+        if not isinstance(patience, int) or isinstance(patience, bool) or patience < 1:
+            raise ValueError(
+                f"NaNGradientMonitor: `patience` must be an integer >= 1; received patience={patience!r}."
+            )
+        if action not in _ACTIONS:
+            raise ValueError(
+                f"NaNGradientMonitor: `action` must be one of {', '.join(map(repr, _ACTIONS))}; "
+                f"received action={action!r}."
+            )
+        if not isinstance(check_every, int) or isinstance(check_every, bool) or check_every < 1:
+            raise ValueError(
+                "NaNGradientMonitor: `check_every` must be an integer >= 1; "
+                f"received check_every={check_every!r}."
+            )
+        self.patience = patience
+        self.action = action
+        self.check_every = check_every
+        self.async_safe = True  # batch hooks count steps; reads are periodic
+        self.nonfinite_steps = 0
+        self.handled_steps = 0
+        self.error: NonFiniteGradientError | None = None
+        self._loss_scale = None
+        # Keras may run batch hooks on a thread pool (async_safe): one check at a time.
+        self._lock = threading.Lock()
+        self._reset_progress()
+
+    def _reset_progress(self) -> None:
+        self._steps_before_epoch = 0
+        self._epoch_steps = 0
+        self._last_check_step = 0
+        self._last_state: dict[str, Any] = {}
+        self._last_counts: dict[str, int] = {}
+        self._epoch_start_skipped = 0
+        self._nonfinite_loss_checks = 0
+
+    def get_config(self) -> dict[str, Any]:
+        return {"patience": self.patience, "action": self.action, "check_every": self.check_every}
+
+    # ------------------------------------------------------------- hooks
+    def on_train_begin(self, logs=None):
+        from mp_callbacks.model import MixedPrecisionModel
+
+        self._reset_progress()
+        self.error = None
+        self._loss_scale = (
+            self.model.loss_scale if isinstance(self.model, MixedPrecisionModel) else None
+        )
+        if self._loss_scale is not None:
+            self._last_state = self._loss_scale.diagnostics()
+            self._last_counts = self._loss_scale.nonfinite_gradient_counts()
+            self._loss_scale.reset_max_divergent_run()
+        else:
+            logger.info(
+                "NaNGradientMonitor: %r is not a MixedPrecisionModel; only the loss is watched.",
+                self.model.name,
+            )
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch_steps = 0
+        self._epoch_start_skipped = self._last_state.get("skipped_steps", 0)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._epoch_steps = max(self._epoch_steps, batch + 1)
+        step = self._steps_before_epoch + self._epoch_steps
+        if step - self._last_check_step >= self.check_every:
+            self._check(step, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = logs if logs is not None else {}
+        step = self._steps_before_epoch + self._epoch_steps
+        self._check(step, logs)
+        self._steps_before_epoch = step
+        if self._loss_scale is not None:
+            logs["nonfinite_steps"] = float(
+                self._last_state["skipped_steps"] - self._epoch_start_skipped
+            )
+
+    # ------------------------------------------------------------ checking
+    def _check(self, step: int, logs: dict | None) -> None:
+        with self._lock:
+            self._check_locked(step, logs)
+
+    def _check_locked(self, step: int, logs: dict | None) -> None:
+        self._last_check_step = step
+        if self.error is not None and self.action != "warn":
+            return
+        if self._loss_scale is None:
+            self._check_loss_only(step, logs)
+            return
+        state = self._loss_scale.diagnostics()
+        counts = self._loss_scale.nonfinite_gradient_counts()
+        new_skips = state["skipped_steps"] - self._last_state.get("skipped_steps", 0)
+        culprits = [
+            path for path, count in counts.items() if count > self._last_counts.get(path, 0)
+        ]
+        diverged = state["max_divergent_run"] >= self.patience
+        new_loss_failures = state["nonfinite_loss_steps"] - self._last_state.get(
+            "nonfinite_loss_steps", 0
+        )
+        self.nonfinite_steps += new_skips
+        if not diverged:
+            if self._loss_scale.scaling_active:
+                self.handled_steps += new_skips
+            if new_skips:
+                logger.debug(
+                    "NaNGradientMonitor: %d overflowing step(s) skipped by step %d; "
+                    "loss scale now %g.", new_skips, step, state["scale"],
+                )
+        self._last_state, self._last_counts = state, counts
+        self._loss_scale.reset_max_divergent_run()
+        if diverged:
+            if new_loss_failures:
+                reason = "the loss was non-finite"
+            elif self._loss_scale.scaling_active:
+                reason = (
+                    "gradients were non-finite with the loss scale at its minimum "
+                    f"({self._loss_scale.min_scale:g})"
+                )
+            else:
+                reason = "gradients were non-finite and no loss scaling is active"
+            self._diverge(step, reason, culprits, state["scale"])
+
+    def _check_loss_only(self, step: int, logs: dict | None) -> None:
+        loss = (logs or {}).get("loss")
+        if loss is None:
+            return
+        if math.isfinite(float(loss)):
+            self._nonfinite_loss_checks = 0
+            return
+        self._nonfinite_loss_checks += 1
+        if self._nonfinite_loss_checks >= self.patience:
+            self._diverge(step, "the loss was non-finite", [], None)
+
+    def _diverge(self, step: int, reason: str, culprits: list[str], scale: float | None) -> None:
+        origin = _layer_of(culprits[-1]) if culprits else None
+        where = (
+            f"Non-finite gradients in {len(culprits)} variable(s): {', '.join(culprits)}; "
+            f"most likely origin: layer {origin!r} (nearest the loss)."
+            if culprits
+            else "No gradient was non-finite at the checks; the loss itself was."
+        )
+        scale_text = f"; loss scale {scale:g}" if scale is not None else ""
+        message = (
+            f"Training diverged by step {step}: {reason} for at least {self.patience} "
+            f"consecutive step(s){scale_text}. {where}"
+        )
+        self.error = NonFiniteGradientError(
+            message, variables=culprits, origin=origin, step=step, scale=scale
+        )
+        if self.action == "raise":
+            raise self.error
+        if self.action == "warn":
+            warnings.warn(message, MixedPrecisionWarning, stacklevel=2)
+            return
+        logger.warning("%s Stopping training.", message)
+        self.model.stop_training = True
