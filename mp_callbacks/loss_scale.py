@@ -203,6 +203,7 @@ class DynamicLossScale(tf.Module):
             self._step_count = state(0, tf.int64, "step_count")
             self._skipped_count = state(0, tf.int64, "skipped_count")
             self._nonfinite_loss_count = state(0, tf.int64, "nonfinite_loss_count")
+            self._divergent_count = state(0, tf.int64, "divergent_count")
             self._divergent_run = state(0, tf.int64, "divergent_run")
             self._max_divergent_run = state(0, tf.int64, "max_divergent_run")
         # Per-variable non-finite counts need the variable list: see build().
@@ -450,6 +451,7 @@ class DynamicLossScale(tf.Module):
         self._nonfinite_loss_count.assign_add(
             tf.cast(tf.logical_not(loss_finite), tf.int64)
         )
+        self._divergent_count.assign_add(tf.cast(divergent, tf.int64))
         self._divergent_run.assign(run)
         self._max_divergent_run.assign(tf.maximum(self._max_divergent_run, run))
         self._nonfinite_counts.assign_add(per_variable)
@@ -464,8 +466,9 @@ class DynamicLossScale(tf.Module):
 
         Keys: `scale`, `good_steps`, `hysteresis_left`, `step_count`,
         `skipped_steps` (total skipped), `nonfinite_loss_steps`,
-        `divergent_run` (current run of consecutive divergent steps: a
-        non-finite loss, or a skipped step with the scale at `min_scale`)
+        `divergent_steps` (total divergent steps: a non-finite loss, or a
+        skipped step with the scale at `min_scale`), `divergent_run`
+        (current run of consecutive divergent steps)
         and `max_divergent_run` (longest such run since the last
         `reset_max_divergent_run`).
         """
@@ -476,6 +479,7 @@ class DynamicLossScale(tf.Module):
             "step_count",
             "skipped_steps",
             "nonfinite_loss_steps",
+            "divergent_steps",
             "divergent_run",
             "max_divergent_run",
         )
@@ -486,6 +490,7 @@ class DynamicLossScale(tf.Module):
             self._step_count,
             self._skipped_count,
             self._nonfinite_loss_count,
+            self._divergent_count,
             self._divergent_run,
             self._max_divergent_run,
         )
@@ -521,6 +526,7 @@ class DynamicLossScale(tf.Module):
             "step_count": self._step_count,
             "skipped_count": self._skipped_count,
             "nonfinite_loss_count": self._nonfinite_loss_count,
+            "divergent_count": self._divergent_count,
             "divergent_run": self._divergent_run,
             "max_divergent_run": self._max_divergent_run,
         }

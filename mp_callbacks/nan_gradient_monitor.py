@@ -50,7 +50,8 @@ class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
 
     Attributes:
         nonfinite_steps: steps skipped for non-finite gradients so far.
-        handled_steps: those of them that loss scaling handled.
+        handled_steps: those of them that loss scaling handled (skipped
+            with the scale above its minimum).
         error: the `NonFiniteGradientError` describing the divergence, or
             None while training is healthy.
 
@@ -174,10 +175,10 @@ class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
         new_loss_failures = state["nonfinite_loss_steps"] - self._last_state.get(
             "nonfinite_loss_steps", 0
         )
+        new_divergent = state["divergent_steps"] - self._last_state.get("divergent_steps", 0)
         self.nonfinite_steps += new_skips
+        self.handled_steps += max(new_skips - new_divergent, 0)
         if not diverged:
-            if self._loss_scale.scaling_active:
-                self.handled_steps += new_skips
             if new_skips:
                 logger.debug(
                     "NaNGradientMonitor: %d overflowing step(s) skipped by step %d; "

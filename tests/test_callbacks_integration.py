@@ -1,0 +1,111 @@
+"""The three callbacks together in one real fit, read back through History,
+CSVLogger and TensorBoard's event files."""
+
+from __future__ import annotations
+
+import copy
+import csv
+
+import keras
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import mp_callbacks as mp
+from helpers import classification_data, tiny_classifier
+
+EPOCHS = 3
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("fit")
+    x, y = classification_data(n=64)
+    model = tiny_classifier(loss_scale=mp.DynamicLossScale(initial_scale=32.0, growth_interval=5))
+    model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
+    monitor = mp.LossScaleMonitor(every_n_steps=3)
+    nan_monitor = mp.NaNGradientMonitor(check_every=2)
+    timer = mp.EpochTimer(time_validation=True)
+    csv_path = directory / "log.csv"
+    tb_dir = directory / "tb"
+    history = model.fit(
+        x, y, epochs=EPOCHS, batch_size=16, validation_split=0.25, verbose=0,
+        callbacks=[monitor, nan_monitor, timer,
+                   keras.callbacks.CSVLogger(str(csv_path)),
+                   keras.callbacks.TensorBoard(str(tb_dir))],
+    )
+    return dict(model=model, history=history.history, monitor=monitor, nan_monitor=nan_monitor,
+                timer=timer, csv_path=csv_path, tb_dir=tb_dir)
+
+
+CALLBACK_KEYS = {"loss_scale", "nonfinite_steps", "epoch_time", "steps_per_sec", "samples_per_sec", "val_time"}
+
+
+def test_history_has_every_callback_key(fitted):
+    history = fitted["history"]
+    assert CALLBACK_KEYS <= set(history)
+    for key in CALLBACK_KEYS:
+        assert len(history[key]) == EPOCHS
+    # 48 training samples, 3 steps per epoch; growth every 5 steps: 32 -> 64 at step 5.
+    assert history["loss_scale"] == [32.0, 64.0, 64.0]
+    assert history["nonfinite_steps"] == [0.0, 0.0, 0.0]
+    for seconds, rate in zip(history["epoch_time"], history["samples_per_sec"]):
+        assert rate * seconds == pytest.approx(48.0)
+    assert all(t > 0 for t in history["val_time"])
+
+
+def test_csv_logger_has_the_columns(fitted):
+    with open(fitted["csv_path"], newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == EPOCHS
+    assert CALLBACK_KEYS | {"grad_norm", "skipped_steps"} <= set(rows[0])
+    assert [float(r["loss_scale"]) for r in rows] == [32.0, 64.0, 64.0]
+    assert all(float(r["epoch_time"]) > 0 for r in rows)
+
+
+def test_tensorboard_event_files_hold_the_scalars(fitted):
+    events = EventAccumulator(str(fitted["tb_dir"] / "train"), size_guidance={"tensors": 0})
+    events.Reload()
+    tags = set(events.Tags()["tensors"])
+    assert {"epoch_loss_scale", "epoch_epoch_time", "epoch_samples_per_sec"} <= tags
+    scales = [float(keras.ops.convert_to_numpy(tf_event.tensor_proto.float_val[0]))
+              if tf_event.tensor_proto.float_val else
+              float(np.frombuffer(tf_event.tensor_proto.tensor_content, np.float32)[0])
+              for tf_event in events.Tensors("epoch_loss_scale")]
+    assert scales == [32.0, 64.0, 64.0]
+    assert len(events.Tensors("epoch_epoch_time")) == EPOCHS
+
+
+def test_loss_scale_monitor_records_every_n_steps(fitted):
+    records = fitted["monitor"].history
+    # Steps 3, 6, 9 are both every-3 points and epoch ends: one record each.
+    assert [(r["epoch"], r["step"], r["loss_scale"]) for r in records] == [
+        (0, 3, 32.0), (1, 6, 64.0), (2, 9, 64.0)
+    ]
+
+
+def test_epoch_timer_summary_and_records(fitted):
+    timer = fitted["timer"]
+    assert [r["warm"] for r in timer.records] == [False, True, True]
+    assert [r["steps"] for r in timer.records] == [3, 3, 3]
+    summary = timer.summary()
+    assert summary["epochs"] == EPOCHS
+    warm = sorted(r["epoch_time"] for r in timer.records[1:])
+    assert summary["median_epoch_time"] == pytest.approx(sum(warm) / 2)
+    assert summary["total_time"] >= sum(r["epoch_time"] for r in timer.records)
+
+
+@pytest.mark.parametrize(
+    "callback",
+    [mp.LossScaleMonitor(every_n_steps=4, collapse_threshold=8.0, max_skipped_fraction=0.2),
+     mp.NaNGradientMonitor(patience=3, action="warn", check_every=7),
+     mp.EpochTimer(time_validation=True, batch_size=32)],
+    ids=lambda c: type(c).__name__,
+)
+def test_deepcopy_keeps_config_and_drops_the_model(callback, fitted):
+    callback.set_model(fitted["model"])
+    clone = copy.deepcopy(callback)
+    assert type(clone) is type(callback)
+    assert clone.get_config() == callback.get_config()
+    assert getattr(clone, "_model", None) is None
+    assert type(callback).from_config(callback.get_config()).get_config() == callback.get_config()

@@ -1,0 +1,91 @@
+"""LossScaleMonitor on MixedPrecisionModel, stock Keras with
+LossScaleOptimizer, and models without loss scaling."""
+
+from __future__ import annotations
+
+import logging
+
+import keras
+import numpy as np
+import pytest
+
+import mp_callbacks as mp
+from helpers import NaNGradientDense, classification_data, tiny_classifier
+
+
+def test_stock_model_with_keras_loss_scale_optimizer():
+    x, _ = classification_data(n=32)
+    targets = np.full((32, 3), 100.0, "float32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    optimizer = keras.mixed_precision.LossScaleOptimizer(
+        keras.optimizers.SGD(1e-4), initial_scale=2.0**127
+    )
+    model.compile(optimizer, "mse")
+    monitor = mp.LossScaleMonitor(max_skipped_fraction=1.0)
+    history = model.fit(x, targets, epochs=2, batch_size=4, callbacks=[monitor], verbose=0).history
+    scale = float(keras.ops.convert_to_numpy(optimizer.dynamic_scale))
+    assert history["loss_scale"][-1] == scale < 2.0**127
+    applied = int(optimizer.iterations.numpy())
+    assert sum(history["skipped_steps"]) == 16 - applied > 0
+
+
+def test_reports_one_and_says_so_once_without_loss_scaling(caplog):
+    x, y = classification_data(n=16)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3, activation="softmax")])
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    with caplog.at_level(logging.INFO, logger="mp_callbacks"):
+        history = model.fit(x, y, epochs=2, batch_size=8, callbacks=[mp.LossScaleMonitor()], verbose=0).history
+    assert history["loss_scale"] == [1.0, 1.0]
+    messages = [r.getMessage() for r in caplog.records if "no loss scaling is active" in r.getMessage()]
+    assert len(messages) == 1
+
+
+def _poisoned_model(loss_scale):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    hidden = NaNGradientDense(4, name="poisoned")(inputs)
+    outputs = keras.layers.Dense(3, name="head")(hidden)
+    model = mp.MixedPrecisionModel(inputs, outputs, loss_scale=loss_scale)
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_warns_when_the_scale_collapses_and_steps_are_skipped():
+    x, y = classification_data(n=32)
+    model = _poisoned_model(mp.DynamicLossScale(initial_scale=4.0, min_scale=1.0))
+    with pytest.warns(mp.MixedPrecisionWarning) as caught:
+        model.fit(x, y, epochs=2, batch_size=8, verbose=0, callbacks=[mp.LossScaleMonitor()])
+    messages = [str(w.message) for w in caught]
+    collapse = [m for m in messages if "collapsed" in m]
+    skipped = [m for m in messages if "were skipped" in m]
+    assert len(collapse) == 1  # once, when it happens, not every epoch
+    assert "its minimum 1" in collapse[0] and "Try:" in collapse[0]
+    assert len(skipped) == 2 and "4 of 4 steps (100%)" in skipped[0]
+    assert "hysteresis" in skipped[0]
+
+
+def test_collapse_threshold_warns_above_the_minimum():
+    x, y = classification_data(n=16)
+    model = _poisoned_model(mp.DynamicLossScale(initial_scale=64.0, min_scale=1.0))
+    monitor = mp.LossScaleMonitor(collapse_threshold=32.0, max_skipped_fraction=1.0)
+    with pytest.warns(mp.MixedPrecisionWarning, match=r"collapsed to 16 \(below 32\)"):
+        model.fit(x, y, epochs=1, batch_size=8, verbose=0, callbacks=[monitor])
+
+
+def test_healthy_training_raises_no_warning(recwarn):
+    x, y = classification_data(n=32)
+    model = tiny_classifier(loss_scale=mp.DynamicLossScale(initial_scale=256.0))
+    model.compile("adam", "sparse_categorical_crossentropy")
+    model.fit(x, y, epochs=2, batch_size=8, verbose=0, callbacks=[mp.LossScaleMonitor(max_skipped_fraction=0.0)])
+    assert not [w for w in recwarn if issubclass(w.category, mp.MixedPrecisionWarning)]
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [(dict(every_n_steps=0), "every_n_steps"), (dict(collapse_threshold=-1.0), "collapse_threshold"),
+     (dict(max_skipped_fraction=1.5), "max_skipped_fraction")],
+)
+def test_bad_arguments_are_named(kwargs, name):
+    with pytest.raises(ValueError, match=f"`{name}`.*{name}="):
+        mp.LossScaleMonitor(**kwargs)

@@ -1,0 +1,108 @@
+"""NaNGradientMonitor: handled overflow vs divergence, culprits, actions."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import mp_callbacks as mp
+from helpers import NaNGradientDense, classification_data, tiny_classifier
+
+
+def _poisoned_model(loss_scale=None):
+    """clean -> poisoned -> head: only poisoned/kernel gets NaN gradients."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(4, activation="relu", name="clean")(inputs)
+    hidden = NaNGradientDense(4, name="poisoned")(hidden)
+    outputs = keras.layers.Dense(3, name="head")(hidden)
+    model = mp.MixedPrecisionModel(inputs, outputs, loss_scale=loss_scale)
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_raise_names_the_poisoned_layer_and_nothing_else():
+    x, y = classification_data(n=32)
+    model = _poisoned_model()
+    with pytest.raises(mp.NonFiniteGradientError) as caught:
+        model.fit(x, y, epochs=3, batch_size=8, verbose=0,
+                  callbacks=[mp.NaNGradientMonitor(patience=2, action="raise", check_every=1)])
+    error = caught.value
+    assert error.variables == ["poisoned/kernel"]
+    assert error.origin == "poisoned"
+    assert error.step == 2 and error.scale == 1.0
+    message = str(error)
+    assert "poisoned/kernel" in message and "'poisoned'" in message
+    assert "clean" not in message and "head" not in message
+    assert "by step 2" in message and "loss scale 1" in message
+
+
+def test_stop_ends_training_like_terminate_on_nan():
+    x, y = classification_data(n=32)
+    model = _poisoned_model()
+    monitor = mp.NaNGradientMonitor(patience=3, action="stop", check_every=1)
+    history = model.fit(x, y, epochs=3, batch_size=8, verbose=0, callbacks=[monitor])
+    assert model.stop_training
+    assert len(history.history["loss"]) == 1
+    assert monitor.error is not None and monitor.error.origin == "poisoned"
+    assert monitor.error.step == 3
+
+
+def test_warn_keeps_training_and_counts():
+    x, y = classification_data(n=32)
+    model = _poisoned_model()
+    monitor = mp.NaNGradientMonitor(patience=2, action="warn", check_every=100)
+    with pytest.warns(mp.MixedPrecisionWarning, match="poisoned/kernel"):
+        history = model.fit(x, y, epochs=2, batch_size=8, verbose=0, callbacks=[monitor])
+    assert len(history.history["loss"]) == 2
+    assert history.history["nonfinite_steps"] == [4.0, 4.0]
+    assert monitor.nonfinite_steps == 8
+
+
+def test_overflow_handled_by_scaling_is_not_divergence():
+    x, y = classification_data(n=32)
+    # Scale 16 backs off 16 -> 8 -> 4 -> 2 -> 1 in four skipped steps: loss
+    # scaling is handling those. At the floor, skips become divergence.
+    model = _poisoned_model(mp.DynamicLossScale(initial_scale=16.0, min_scale=1.0))
+    monitor = mp.NaNGradientMonitor(patience=3, action="stop", check_every=1)
+    model.fit(x, y, epochs=3, batch_size=8, verbose=0, callbacks=[monitor])
+    assert monitor.handled_steps == 4
+    assert monitor.error is not None
+    assert monitor.error.step == 4 + 1 + 3 - 1  # 4 handled, then 3 at the floor (the first backs off to 1)
+    assert "minimum" in str(monitor.error)
+
+
+def test_healthy_training_reads_the_device_only_every_check_every_steps():
+    x, y = classification_data(n=64)
+    model = tiny_classifier()
+    model.compile("adam", "sparse_categorical_crossentropy")
+    reads = []
+    original = model.loss_scale.diagnostics
+    model.loss_scale.diagnostics = lambda: reads.append(1) or original()
+    monitor = mp.NaNGradientMonitor(check_every=5)
+    history = model.fit(x, y, epochs=2, batch_size=4, verbose=0, callbacks=[monitor])
+    # 32 steps: one read at train begin, at steps 5,10,15 / 21,26,31 and 2 epoch ends.
+    assert len(reads) == 1 + 6 + 2
+    assert monitor.error is None and monitor.nonfinite_steps == 0
+    assert history.history["nonfinite_steps"] == [0.0, 0.0]
+
+
+def test_stock_model_watches_the_loss():
+    x, y = classification_data(n=16)
+    x[:] = np.nan
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3, activation="softmax")])
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    monitor = mp.NaNGradientMonitor(action="stop", check_every=1)
+    model.fit(x, y, epochs=2, batch_size=8, verbose=0, callbacks=[monitor])
+    assert monitor.error is not None and monitor.error.origin is None
+    assert "loss was non-finite" in str(monitor.error)
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [(dict(patience=0), "patience"), (dict(action="halt"), "action"), (dict(check_every=0), "check_every")],
+)
+def test_bad_arguments_are_named(kwargs, name):
+    with pytest.raises(ValueError, match=f"`{name}`.*{name}="):
+        mp.NaNGradientMonitor(**kwargs)
