@@ -1,10 +1,13 @@
-"""What does MixedPrecisionModel cost over stock keras.Model?
+"""What do MixedPrecisionModel and the callbacks cost?
 
-The same CNN, same data, same policy, trained with `keras.Model` and with
-`mp_callbacks.MixedPrecisionModel`, one epoch each in alternation (the order
-flips every round, so drift on a noisy machine hits both alike). Prints the
-ratio of epoch times (ours / stock) per round, their median and the ratio
-of best epochs. Goal: <= 1.02.
+1. The same CNN, same data, same policy, trained with `keras.Model` and with
+   `mp_callbacks.MixedPrecisionModel`.
+2. MixedPrecisionModel with all three callbacks against none.
+
+One epoch each in alternation (the order flips every round, so drift on a
+noisy machine hits both alike). Prints the ratio of epoch times per round,
+their median and the ratio of best epochs (goal: <= 1.02 for both), and how
+many times the callbacks read a value from the device per 1,000 steps.
 
     python benchmarks/overhead.py                       # mixed_bfloat16, 5 rounds
     python benchmarks/overhead.py --policy float32 --rounds 7
@@ -14,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -24,45 +25,7 @@ import keras  # noqa: E402
 import mp_callbacks as mp  # noqa: E402
 from mp_callbacks.data import synthetic_digits  # noqa: E402
 from mp_callbacks.reference_models import build_cnn  # noqa: E402
-
-
-class _EpochClock(keras.callbacks.Callback):
-    def on_epoch_begin(self, epoch, logs=None):
-        self.start = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.seconds = time.perf_counter() - self.start
-
-
-def timed_epoch(model, data, batch_size, callbacks=()) -> float:
-    clock = _EpochClock()
-    model.fit(data.x_train, data.y_train, batch_size=batch_size, epochs=1,
-              verbose=0, callbacks=[*callbacks, clock])
-    return clock.seconds
-
-
-def compare(contenders, data, rounds, batch_size):
-    """contenders: {name: (model, callbacks)}; returns {name: [seconds]}."""
-    for model, callbacks in contenders.values():  # tracing and warm-up
-        timed_epoch(model, data, batch_size, callbacks)
-    times = {name: [] for name in contenders}
-    names = list(contenders)
-    for round_index in range(rounds):
-        order = names if round_index % 2 == 0 else names[::-1]
-        for name in order:
-            model, callbacks = contenders[name]
-            times[name].append(timed_epoch(model, data, batch_size, callbacks))
-    return times
-
-
-def report(title, times, baseline, contender):
-    ratios = [c / b for c, b in zip(times[contender], times[baseline])]
-    print(f"\n{title}")
-    for i, (b, c, r) in enumerate(zip(times[baseline], times[contender], ratios)):
-        print(f"  round {i + 1}: {baseline} {b:6.2f} s   {contender} {c:6.2f} s   ratio {r:5.3f}")
-    print(f"  median ratio {statistics.median(ratios):.3f}   "
-          f"best-epoch ratio {min(times[contender]) / min(times[baseline]):.3f}")
-    return statistics.median(ratios)
+from _timing import compare, report  # noqa: E402
 
 
 def main(argv=None):
@@ -91,6 +54,39 @@ def main(argv=None):
                     data, args.rounds, args.batch_size)
     report("MixedPrecisionModel vs keras.Model (epoch time ratio)", times,
            "stock", "MixedPrecisionModel")
+
+    callbacks = [mp.LossScaleMonitor(), mp.NaNGradientMonitor(), mp.EpochTimer()]
+    reads = count_device_reads()
+    times = compare({"no callbacks": (ours, []), "three callbacks": (ours, callbacks)},
+                    data, args.rounds, args.batch_size)
+    report("MixedPrecisionModel: three callbacks vs none (epoch time ratio)", times,
+           "no callbacks", "three callbacks")
+    steps = (args.rounds + 1) * -(-args.samples // args.batch_size)
+    print(f"  device reads by the callbacks: {reads['count']} in {steps} steps "
+          f"= {1000 * reads['count'] / steps:.1f} per 1,000 steps "
+          "(log tensors converted by the callbacks: 0; Keras itself converts the "
+          "step logs once per step on the TensorFlow backend)")
+
+
+def count_device_reads():
+    """Counts every device-to-host read the callbacks make, by wrapping the
+    methods they read through."""
+    from mp_callbacks import epoch_timer, loss_scale
+
+    reads = {"count": 0}
+
+    def counted(function):
+        def wrapper(*args, **kwargs):
+            reads["count"] += 1
+            return function(*args, **kwargs)
+        return wrapper
+
+    cls = loss_scale.DynamicLossScale
+    for name in ("diagnostics", "get_scale", "nonfinite_gradient_counts"):
+        setattr(cls, name, counted(getattr(cls, name)))
+    timer = epoch_timer.EpochTimer
+    timer._count_samples = counted(timer._count_samples)
+    return reads
 
 
 if __name__ == "__main__":

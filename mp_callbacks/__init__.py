@@ -19,6 +19,7 @@ from mp_callbacks.hardware import POLICIES, inspect_hardware, recommend_policy
 from mp_callbacks.loss_scale import DynamicLossScale
 from mp_callbacks.loss_scale_monitor import LossScaleMonitor
 from mp_callbacks.model import LOG_KEYS, MixedPrecisionModel
+from mp_callbacks.model_checks import Finding, check_model
 from mp_callbacks.nan_gradient_monitor import NaNGradientMonitor
 
 __version__ = _package_version()
@@ -26,6 +27,8 @@ __version__ = _package_version()
 __all__ = [
     "DynamicLossScale",
     "EpochTimer",
+    "Finding",
+    "check_model",
     "LossScaleMonitor",
     "MixedPrecisionWarning",
     "NaNGradientMonitor",

@@ -49,10 +49,12 @@ class Dataset:
 
     def take(self, train: int | None = None, test: int | None = None) -> "Dataset":
         """The first `train` / `test` samples (all when None)."""
+        if train is None and test is None:
+            return self
+        x_train, x_test = self.x_train[:train], self.x_test[:test]
         return Dataset(
-            self.x_train[:train], self.y_train[:train],
-            self.x_test[:test], self.y_test[:test],
-            self.name, self.description,
+            x_train, self.y_train[:train], x_test, self.y_test[:test], self.name,
+            f"{self.description}, first {len(x_train)} train / {len(x_test)} test samples",
         )
 
 

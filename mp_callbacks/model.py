@@ -9,9 +9,11 @@ logs carry `loss_scale`, `grad_norm` and `skipped_steps`.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 from mp_callbacks._backend import keras, tf
+from mp_callbacks.errors import MixedPrecisionWarning
 from mp_callbacks.loss_scale import DynamicLossScale
 
 __all__ = ["MixedPrecisionModel", "LOG_KEYS"]
@@ -177,6 +179,7 @@ class MixedPrecisionModel(keras.Model):
         super().__init__(*args, **kwargs)
         self._loss_scale = _make_loss_scale(loss_scale)
         self._epoch_signals = _EpochSignals()
+        self._checked_model = False
 
     # ------------------------------------------------------------ creation
     @classmethod
@@ -257,7 +260,8 @@ class MixedPrecisionModel(keras.Model):
 
         `auto_scale_loss` is always turned off (this model scales the loss
         itself); a `LossScaleOptimizer` is unwrapped; a `loss_scale_factor`
-        set on the optimizer becomes a fixed loss scale.
+        set on the optimizer becomes a fixed loss scale. The first compile
+        runs `mp_callbacks.check_model` and warns once about what it finds.
         """
         if kwargs.pop("auto_scale_loss", False):
             logger.info(
@@ -291,6 +295,22 @@ class MixedPrecisionModel(keras.Model):
             self._loss_scale = self._auto_loss_scale()
         if self.built:
             self._loss_scale.build(self.trainable_variables)
+        self._warn_about_findings()
+
+    def _warn_about_findings(self) -> None:
+        if self._checked_model:
+            return
+        from mp_callbacks.model_checks import check_model
+
+        self._checked_model = True
+        findings = check_model(self)
+        if findings:
+            warnings.warn(
+                f"check_model found {len(findings)} mixed-precision issue(s) in "
+                f"{self.name!r}:\n" + "\n".join(f"  - {f}" for f in findings),
+                MixedPrecisionWarning,
+                stacklevel=3,
+            )
 
     def compile_from_config(self, config: dict[str, Any]) -> None:
         config = keras.saving.deserialize_keras_object(config)

@@ -1,0 +1,51 @@
+"""Interleaved epoch timing shared by the benchmarks (not a test)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import keras
+
+
+class EpochClock(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seconds = time.perf_counter() - self.start
+
+
+def timed_epoch(model, data, batch_size, callbacks=()) -> float:
+    clock = EpochClock()
+    model.fit(data.x_train, data.y_train, batch_size=batch_size, epochs=1,
+              verbose=0, callbacks=[*callbacks, clock])
+    return clock.seconds
+
+
+def compare(contenders, data, rounds, batch_size):
+    """contenders: {name: (model, callbacks)}; one epoch each per round, the
+    order rotating every round; returns {name: [seconds per round]}."""
+    for model, callbacks in contenders.values():  # tracing and warm-up
+        timed_epoch(model, data, batch_size, callbacks)
+    times = {name: [] for name in contenders}
+    names = list(contenders)
+    for round_index in range(rounds):
+        shift = round_index % len(names)
+        order = names[shift:] + names[:shift]
+        if round_index % 2:
+            order = order[::-1]
+        for name in order:
+            model, callbacks = contenders[name]
+            times[name].append(timed_epoch(model, data, batch_size, callbacks))
+    return times
+
+
+def report(title, times, baseline, contender):
+    ratios = [c / b for c, b in zip(times[contender], times[baseline])]
+    print(f"\n{title}")
+    for i, (b, c, r) in enumerate(zip(times[baseline], times[contender], ratios)):
+        print(f"  round {i + 1}: {baseline} {b:6.2f} s   {contender} {c:6.2f} s   ratio {r:5.3f}")
+    print(f"  median ratio {statistics.median(ratios):.3f}   "
+          f"best-epoch ratio {min(times[contender]) / min(times[baseline]):.3f}")
+    return statistics.median(ratios)

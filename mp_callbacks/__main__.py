@@ -1,0 +1,7 @@
+"""`python -m mp_callbacks` is `mp-callbacks`."""
+
+import sys
+
+from mp_callbacks.cli import main
+
+sys.exit(main())

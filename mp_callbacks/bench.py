@@ -1,0 +1,186 @@
+"""The benchmark behind `mp-callbacks bench`: one model, several policies.
+
+Each policy is trained in its own fresh Python process (`run_in_subprocess`)
+so that its peak memory is its own and no dtype policy, graph or allocator
+state leaks from one policy into the next. The worker (`run_policy`) trains
+a `MixedPrecisionModel` with the three callbacks attached and returns one
+result row; `compare` runs all policies and adds the speed-up against
+float32.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mp_callbacks._backend import keras, tf
+
+__all__ = ["BenchSettings", "BenchError", "compare", "run_policy", "QUICK"]
+
+logger = logging.getLogger(__name__)
+
+
+class BenchError(ValueError):
+    """Bad benchmark input; the message is one line for the user."""
+
+
+@dataclass
+class BenchSettings:
+    policies: list[str]
+    model: str = "mlp"
+    dataset: str = "synthetic"
+    epochs: int = 5
+    batch_size: int = 128
+    seed: int = 0
+    train_samples: int | None = None
+    test_samples: int | None = None
+    quiet: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# A preset that finishes in about a minute on 2 CPU cores: the CNN (where
+# mixed precision pays most), 8,000 images, 4 epochs (3 warm).
+QUICK = dict(model="cnn", epochs=4, train_samples=8000, test_samples=2000)
+
+
+def _peak_memory_mb() -> float:
+    """Peak device memory on GPU, else the process's peak resident memory."""
+    if tf.config.list_physical_devices("GPU"):
+        info = tf.config.experimental.get_memory_info("GPU:0")
+        return info["peak"] / 2**20
+    try:
+        import resource
+
+        # ru_maxrss is in kilobytes on Linux, bytes on macOS.
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / (2**20 if sys.platform == "darwin" else 2**10)
+    except ImportError:  # pragma: no cover - Windows
+        import psutil
+
+        return psutil.Process().memory_info().peak_wset / 2**20
+
+
+class _ProgressLine(keras.callbacks.Callback):
+    """One compact line per epoch on stderr."""
+
+    def __init__(self, policy: str) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = logs or {}
+        nan = float("nan")
+        print(
+            f"  {self.policy:<15} epoch {epoch + 1}/{self.params.get('epochs')}: "
+            f"{logs.get('epoch_time', nan):.2f} s, loss {logs.get('loss', nan):.4f}, "
+            f"accuracy {logs.get('accuracy', nan):.3f}, "
+            f"loss scale {logs.get('loss_scale', nan):g}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def run_policy(policy: str, settings: BenchSettings) -> dict[str, Any]:
+    """Trains the benchmark model under `policy` in this process."""
+    import mp_callbacks as mp
+    from mp_callbacks.data import load_dataset
+    from mp_callbacks.reference_models import MODELS
+
+    keras.mixed_precision.set_global_policy(policy)
+    keras.utils.set_random_seed(settings.seed)
+    data = load_dataset(settings.dataset, seed=settings.seed, allow_download=False)
+    data = data.take(settings.train_samples, settings.test_samples)
+    model = MODELS[settings.model](data.input_shape, data.num_classes)
+    model.compile(
+        optimizer=keras.optimizers.Adam(),
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+    )
+    timer = mp.EpochTimer()
+    scale_monitor = mp.LossScaleMonitor()
+    nan_monitor = mp.NaNGradientMonitor(action="stop")
+    callbacks = [scale_monitor, nan_monitor, timer]
+    if not settings.quiet:
+        callbacks.append(_ProgressLine(policy))
+    history = model.fit(
+        data.x_train, data.y_train,
+        batch_size=settings.batch_size, epochs=settings.epochs,
+        callbacks=callbacks, verbose=0,
+    )
+    evaluation = model.evaluate(
+        data.x_test, data.y_test, batch_size=settings.batch_size, verbose=0, return_dict=True
+    )
+    summary = timer.summary()
+    return {
+        "policy": policy,
+        "epoch_time": summary["median_epoch_time"],
+        "first_epoch_time": summary["first_epoch_time"],
+        "samples_per_sec": summary["median_samples_per_sec"],
+        "speedup": None,
+        "peak_memory_mb": _peak_memory_mb(),
+        "accuracy": float(evaluation["accuracy"]),
+        "loss": float(evaluation["loss"]),
+        "skipped_steps": int(sum(history.history.get("skipped_steps", []))),
+        "final_loss_scale": model.get_loss_scale(),
+        "epochs": len(history.history["loss"]),
+        "diverged": nan_monitor.error is not None,
+        "data": data.description,
+    }
+
+
+def run_in_subprocess(policy: str, settings: BenchSettings) -> dict[str, Any]:
+    """`run_policy` in a fresh Python process; raises BenchError on failure."""
+    with tempfile.TemporaryDirectory() as directory:
+        result_path = os.path.join(directory, "result.json")
+        request = json.dumps({"policy": policy, "settings": asdict(settings), "out": result_path})
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+        completed = subprocess.run(
+            [sys.executable, "-m", "mp_callbacks.bench", request],
+            env=env,
+            stdout=subprocess.DEVNULL if settings.quiet else None,
+            stderr=subprocess.PIPE if settings.quiet else None,
+            text=True,
+        )
+        if completed.returncode != 0 or not os.path.exists(result_path):
+            detail = (completed.stderr or "").strip().splitlines()[-1:] if settings.quiet else []
+            raise BenchError(
+                f"the {policy} run failed (exit code {completed.returncode})"
+                + (f": {detail[0]}" if detail else "; see the output above")
+            )
+        with open(result_path, encoding="utf-8") as handle:
+            return json.load(handle)
+
+
+def compare(settings: BenchSettings, in_subprocess: bool = True) -> list[dict[str, Any]]:
+    """Runs every policy; adds `speedup` (float32 epoch time / this one)."""
+    results = []
+    for policy in settings.policies:
+        if not settings.quiet:
+            print(f"[{policy}] training {settings.model} ...", file=sys.stderr, flush=True)
+        runner = run_in_subprocess if in_subprocess else run_policy
+        results.append(runner(policy, settings))
+    baseline = next((r for r in results if r["policy"] == "float32"), None)
+    for result in results:
+        if baseline is not None and result["epoch_time"]:
+            result["speedup"] = baseline["epoch_time"] / result["epoch_time"]
+    return results
+
+
+def _worker(argv: list[str]) -> int:
+    request = json.loads(argv[0])
+    settings = BenchSettings(**request["settings"])
+    logging.basicConfig(level=logging.WARNING)
+    result = run_policy(request["policy"], settings)
+    with open(request["out"], "w", encoding="utf-8") as handle:
+        json.dump(result, handle)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(sys.argv[1:]))
