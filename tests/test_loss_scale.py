@@ -152,7 +152,10 @@ def test_fixed_and_disabled_scales_still_skip_nonfinite_steps():
 @settings(max_examples=25, deadline=None)
 @given(
     exponent=st.integers(0, 24),
-    values=st.lists(st.floats(-1e3, 1e3, allow_nan=False, width=32), min_size=1, max_size=8),
+    values=st.lists(
+        # TensorFlow flushes float32 subnormals to zero on CPU.
+        st.floats(-1e3, 1e3, allow_nan=False, allow_subnormal=False, width=32), min_size=1, max_size=8
+    ),
 )
 def test_unscale_inverts_scale_for_powers_of_two(exponent, values):
     loss_scale = DynamicLossScale(initial_scale=2.0**exponent)
