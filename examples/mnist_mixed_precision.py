@@ -3,7 +3,8 @@
 784-512-256-10 MLP, float32 softmax output, dtype policy set globally, and
 `MixedPrecisionModel` instead of a hand-wrapped `LossScaleOptimizer`: the
 model scales the loss itself and reports `loss_scale`, `grad_norm` and
-`skipped_steps` every epoch.
+`skipped_steps` every epoch; the three callbacks add `epoch_time`,
+`samples_per_sec` and `nonfinite_steps`, and watch for trouble.
 
 Runs offline: Keras's MNIST when it is already cached, the built-in
 synthetic digits otherwise (it says which).
@@ -54,9 +55,10 @@ def main(argv=None) -> dict:
     model = build_model(data.input_shape)
     model.compile(optimizer=keras.optimizers.Adam(), loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"])
+    callbacks = [mp.LossScaleMonitor(), mp.NaNGradientMonitor(), mp.EpochTimer()]
     history = model.fit(data.x_train, data.y_train, batch_size=args.batch_size,
                         epochs=args.epochs, validation_data=(data.x_test, data.y_test),
-                        verbose=2)
+                        callbacks=callbacks, verbose=2)
     final = {key: values[-1] for key, values in history.history.items()}
     print(f"loss scale {final['loss_scale']:g}, skipped steps {final['skipped_steps']:g}, "
           f"validation accuracy {final['val_accuracy']:.3f}")
