@@ -8,6 +8,10 @@ Public API:
   `skipped_steps` in the training logs.
 * `LossScaleMonitor`, `NaNGradientMonitor`, `EpochTimer`: callbacks for any
   `model.fit`.
+* `LossScaleOptimizer`: `get_scaled_loss` / `get_unscaled_gradients` for
+  hand-written loops, as in Keras 2.
+* `mp_callbacks.tuner` (needs keras-tuner): dtype policy and loss scale as
+  hyperparameters.
 * `recommend_policy()`, `inspect_hardware()`: which dtype policy this
   machine can speed up.
 """
@@ -18,6 +22,7 @@ from mp_callbacks.errors import MixedPrecisionWarning, NonFiniteGradientError
 from mp_callbacks.hardware import POLICIES, inspect_hardware, recommend_policy
 from mp_callbacks.loss_scale import DynamicLossScale
 from mp_callbacks.loss_scale_monitor import LossScaleMonitor
+from mp_callbacks.loss_scale_optimizer import LossScaleOptimizer
 from mp_callbacks.model import LOG_KEYS, MixedPrecisionModel
 from mp_callbacks.model_checks import Finding, check_model
 from mp_callbacks.nan_gradient_monitor import NaNGradientMonitor
@@ -30,6 +35,7 @@ __all__ = [
     "Finding",
     "check_model",
     "LossScaleMonitor",
+    "LossScaleOptimizer",
     "MixedPrecisionWarning",
     "NaNGradientMonitor",
     "NonFiniteGradientError",

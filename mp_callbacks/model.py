@@ -237,6 +237,18 @@ class MixedPrecisionModel(keras.Model):
             return DynamicLossScale()
         return DynamicLossScale.disabled()
 
+    def set_loss_scale(self, loss_scale: Any) -> None:
+        """Replaces the loss scale (same values as the `loss_scale`
+        argument), for example between keras-tuner trials. Training resumes
+        from the new object's state; the next `fit` retraces."""
+        self._loss_scale = _make_loss_scale(loss_scale)
+        if self._loss_scale is None and self.compiled:
+            self._loss_scale = self._auto_loss_scale()
+        if self._loss_scale is not None and self.built:
+            with self.distribute_strategy.scope():
+                self._loss_scale.build(self.trainable_variables)
+        self.train_function = None
+
     def get_loss_scale(self) -> float:
         """The current loss scale as a Python float (1.0: no scaling)."""
         if self._loss_scale is None:
@@ -259,7 +271,8 @@ class MixedPrecisionModel(keras.Model):
         """As `keras.Model.compile`, with one loss scale guaranteed.
 
         `auto_scale_loss` is always turned off (this model scales the loss
-        itself); a `LossScaleOptimizer` is unwrapped; a `loss_scale_factor`
+        itself); a `LossScaleOptimizer` (Keras's or mp_callbacks') is
+        unwrapped; a `loss_scale_factor`
         set on the optimizer becomes a fixed loss scale. The first compile
         runs `mp_callbacks.check_model` and warns once about what it finds.
         """
@@ -268,9 +281,14 @@ class MixedPrecisionModel(keras.Model):
                 "MixedPrecisionModel scales the loss itself; "
                 "auto_scale_loss=True is ignored."
             )
+        from mp_callbacks.loss_scale_optimizer import LossScaleOptimizer
+
         optimizer = keras.optimizers.get(optimizer)
         adopted = None
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        if isinstance(optimizer, LossScaleOptimizer):
+            adopted = optimizer.loss_scale
+            optimizer = optimizer.inner_optimizer
+        elif isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             adopted = DynamicLossScale(
                 initial_scale=float(optimizer.initial_scale),
                 growth_interval=int(optimizer.dynamic_growth_steps),

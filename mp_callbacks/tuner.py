@@ -1,0 +1,129 @@
+"""keras-tuner glue: the dtype policy (and the loss scale) as hyperparameters.
+
+keras-tuner builds every trial's model under whatever global dtype policy
+is set, and a build function that calls `set_global_policy` leaks its
+choice into the next trial and past the search. `MixedPrecisionHyperModel`
+makes the policy a hyperparameter and sets it only while the trial's model
+is built: layers keep the policy they were built with, and the global
+policy is back to what it was before `build` returns.
+
+    import keras_tuner as kt
+    from mp_callbacks.tuner import MixedPrecisionHyperModel
+
+    hypermodel = MixedPrecisionHyperModel(build_model, policies=["float32", "mixed_bfloat16"])
+    tuner = kt.RandomSearch(hypermodel, objective=kt.Objective("epoch_time", "min"), max_trials=4)
+    tuner.search(x, y, epochs=2, callbacks=[EpochTimer(), LossScaleMonitor(), NaNGradientMonitor()])
+
+Importing this module needs keras-tuner: `pip install "mp_callbacks[tuner]"`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
+
+from mp_callbacks._backend import keras
+from mp_callbacks.hardware import POLICIES
+from mp_callbacks.loss_scale import DynamicLossScale
+from mp_callbacks.model import MixedPrecisionModel
+
+try:
+    import keras_tuner as kt
+except ImportError as error:  # pragma: no cover - exercised without the extra
+    raise ImportError(
+        "mp_callbacks.tuner needs keras-tuner (and tensorboard, which keras-tuner "
+        'imports in every trial): pip install "mp_callbacks[tuner]"'
+    ) from error
+
+__all__ = ["MixedPrecisionHyperModel", "policy_scope", "POLICY_HP", "LOSS_SCALE_HP_PREFIX"]
+
+#: Name of the dtype-policy hyperparameter.
+POLICY_HP = "dtype_policy"
+#: Prefix of the loss-scale hyperparameters (`loss_scale_initial_scale`, ...).
+LOSS_SCALE_HP_PREFIX = "loss_scale_"
+
+_LOSS_SCALE_ARGS = (
+    "initial_scale", "growth_interval", "growth_factor", "backoff_factor",
+    "min_scale", "max_scale", "hysteresis",
+)
+
+
+@contextlib.contextmanager
+def policy_scope(policy: str) -> Iterator[None]:
+    """Sets the global dtype policy inside the block, and restores the
+    previous one on the way out (errors included)."""
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(policy)
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(previous)
+
+
+class MixedPrecisionHyperModel(kt.HyperModel):
+    """A hypermodel whose dtype policy (and loss scale) are hyperparameters.
+
+    Args:
+        hypermodel: a `kt.HyperModel` or a build function `build(hp)` that
+            returns a compiled model (a `MixedPrecisionModel` for
+            `loss_scale_space`).
+        policies: the dtype policies to choose from (hyperparameter
+            `"dtype_policy"`).
+        loss_scale_space: optional `{argument: [values]}` over
+            `DynamicLossScale` arguments, e.g.
+            `{"initial_scale": [2**10, 2**15], "hysteresis": [1, 2]}`; each
+            becomes a hyperparameter `"loss_scale_<argument>"` and the trial's
+            model gets that `DynamicLossScale`.
+        name, tunable: as for `kt.HyperModel`.
+    """
+
+    def __init__(
+        self,
+        hypermodel: kt.HyperModel | Callable[[Any], keras.Model],
+        policies: Sequence[str] = ("float32", "mixed_bfloat16"),
+        loss_scale_space: dict[str, Sequence[Any]] | None = None,
+        name: str | None = None,
+        tunable: bool = True,
+    ) -> None:
+        super().__init__(name=name, tunable=tunable)
+        policies = list(policies)
+        unknown = [p for p in policies if p not in POLICIES]
+        if not policies or unknown:
+            raise ValueError(
+                f"MixedPrecisionHyperModel: `policies` must be a non-empty list from "
+                f"{', '.join(POLICIES)}; received policies={policies!r}."
+            )
+        for argument, values in (loss_scale_space or {}).items():
+            if argument not in _LOSS_SCALE_ARGS or not list(values):
+                raise ValueError(
+                    "MixedPrecisionHyperModel: `loss_scale_space` maps DynamicLossScale "
+                    f"arguments ({', '.join(_LOSS_SCALE_ARGS)}) to non-empty lists of "
+                    f"values; received {argument!r}: {values!r}."
+                )
+        self.hypermodel = hypermodel
+        self.policies = policies
+        self.loss_scale_space = {k: list(v) for k, v in (loss_scale_space or {}).items()}
+
+    def build(self, hp: kt.HyperParameters) -> keras.Model:
+        policy = hp.Choice(POLICY_HP, self.policies)
+        with policy_scope(policy):
+            if isinstance(self.hypermodel, kt.HyperModel):
+                model = self.hypermodel.build(hp)
+            else:
+                model = self.hypermodel(hp)
+            if self.loss_scale_space:
+                if not isinstance(model, MixedPrecisionModel):
+                    raise TypeError(
+                        "MixedPrecisionHyperModel: `loss_scale_space` needs the build "
+                        f"function to return a MixedPrecisionModel; got {type(model).__name__}."
+                    )
+                model.set_loss_scale(DynamicLossScale(**{
+                    argument: hp.Choice(LOSS_SCALE_HP_PREFIX + argument, values)
+                    for argument, values in self.loss_scale_space.items()
+                }))
+        return model
+
+    def fit(self, hp: kt.HyperParameters, model: keras.Model, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(self.hypermodel, kt.HyperModel):
+            return self.hypermodel.fit(hp, model, *args, **kwargs)
+        return model.fit(*args, **kwargs)

@@ -1,0 +1,113 @@
+"""Real keras-tuner searches with MixedPrecisionModel and the callbacks."""
+
+from __future__ import annotations
+
+import keras
+import keras_tuner as kt
+import numpy as np
+import pytest
+
+import mp_callbacks as mp
+from helpers import classification_data
+from mp_callbacks.tuner import MixedPrecisionHyperModel, policy_scope
+
+X, Y = classification_data(n=96)
+X_VAL, Y_VAL = classification_data(n=32, seed=1)
+POLICIES_AT_BUILD: list[tuple[str, str]] = []
+
+
+def build_model(hp):
+    POLICIES_AT_BUILD.append((hp.get("dtype_policy"), keras.config.dtype_policy().name))
+    units = hp.Choice("units", [8, 16])
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(units, activation="relu", name="hidden")(inputs)
+    outputs = keras.layers.Dense(3, activation="softmax", dtype="float32", name="head")(hidden)
+    model = mp.MixedPrecisionModel(inputs, outputs)
+    model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+TUNERS = {
+    "random": lambda **kw: kt.RandomSearch(max_trials=3, **kw),
+    "bayesian": lambda **kw: kt.BayesianOptimization(max_trials=3, num_initial_points=2, **kw),
+    "hyperband": lambda **kw: kt.Hyperband(max_epochs=2, factor=2, hyperband_iterations=1, **kw),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(TUNERS))
+def test_search_with_the_three_callbacks_and_epoch_time_objective(kind, tmp_path):
+    POLICIES_AT_BUILD.clear()
+    keras.config.set_dtype_policy("float32")
+    callbacks = [mp.LossScaleMonitor(), mp.NaNGradientMonitor(), mp.EpochTimer()]
+    tuner = TUNERS[kind](
+        hypermodel=MixedPrecisionHyperModel(build_model, policies=["float32", "mixed_bfloat16"]),
+        objective=kt.Objective("epoch_time", "min"),
+        directory=str(tmp_path), project_name=kind, overwrite=True, seed=1,
+    )
+    tuner.search(X, Y, epochs=2, batch_size=16, validation_data=(X_VAL, Y_VAL),
+                 callbacks=callbacks, verbose=0)
+
+    completed = [t for t in tuner.oracle.trials.values() if t.status == "COMPLETED"]
+    assert len(completed) >= 2
+    for trial in completed:
+        assert trial.score > 0
+        for metric in ("epoch_time", "loss_scale", "samples_per_sec", "nonfinite_steps", "grad_norm"):
+            assert trial.metrics.exists(metric), metric
+    # Every build saw exactly its trial's policy, and nothing leaked out.
+    assert POLICIES_AT_BUILD and all(chosen == seen for chosen, seen in POLICIES_AT_BUILD)
+    assert keras.config.dtype_policy().name == "float32"
+    # keras-tuner deep-copied the callbacks: the originals never trained.
+    assert callbacks[2].records == [] and getattr(callbacks[0], "_model", None) is None
+
+    best_hp = tuner.get_best_hyperparameters(1)[0]
+    best = tuner.get_best_models(1)[0]
+    assert isinstance(best, mp.MixedPrecisionModel)
+    expected = "bfloat16" if best_hp.get("dtype_policy") == "mixed_bfloat16" else "float32"
+    assert best.get_layer("hidden").compute_dtype == expected
+
+
+def test_accuracy_and_epoch_time_together_and_loss_scale_space(tmp_path):
+    tuner = kt.RandomSearch(
+        MixedPrecisionHyperModel(build_model, policies=["mixed_bfloat16"],
+                                 loss_scale_space={"initial_scale": [256.0, 1024.0]}),
+        objective=[kt.Objective("val_accuracy", "max"), kt.Objective("epoch_time", "min")],
+        max_trials=2, directory=str(tmp_path), project_name="multi", overwrite=True, seed=3,
+    )
+    tuner.search(X, Y, epochs=1, batch_size=32, validation_data=(X_VAL, Y_VAL),
+                 callbacks=[mp.EpochTimer(), mp.LossScaleMonitor()], verbose=0)
+    for trial in tuner.oracle.trials.values():
+        assert trial.status == "COMPLETED"
+        chosen = trial.hyperparameters.get("loss_scale_initial_scale")
+        assert trial.metrics.get_history("loss_scale")[0].value == [chosen]
+    best_hp = tuner.get_best_hyperparameters(1)[0]
+    best = tuner.get_best_models(1)[0]
+    assert best.loss_scale.initial_scale == best_hp.get("loss_scale_initial_scale")
+
+
+def test_policy_scope_restores_on_error():
+    keras.config.set_dtype_policy("float32")
+    with pytest.raises(RuntimeError):
+        with policy_scope("mixed_bfloat16"):
+            assert keras.config.dtype_policy().name == "mixed_bfloat16"
+            raise RuntimeError("build failed")
+    assert keras.config.dtype_policy().name == "float32"
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [(dict(policies=["float64"]), "policies"), (dict(policies=[]), "policies"),
+     (dict(loss_scale_space={"scale": [1.0]}), "loss_scale_space")],
+)
+def test_bad_arguments_are_named(kwargs, name):
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        MixedPrecisionHyperModel(build_model, **kwargs)
+
+
+def test_loss_scale_space_needs_a_mixed_precision_model():
+    hypermodel = MixedPrecisionHyperModel(
+        lambda hp: keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]),
+        loss_scale_space={"hysteresis": [1, 2]},
+    )
+    with pytest.raises(TypeError, match="MixedPrecisionModel"):
+        hypermodel.build(kt.HyperParameters())
+    assert np.isfinite(0.0)
