@@ -313,6 +313,11 @@ class MixedPrecisionModel(keras.Model):
             self._loss_scale = self._auto_loss_scale()
         if self.built:
             self._loss_scale.build(self.trainable_variables)
+            # Built now rather than at the first fit, so that load_weights
+            # right after compile (resuming from a ModelCheckpoint) restores
+            # the optimizer's slots too instead of skipping them.
+            if not self.optimizer.built:
+                self.optimizer.build(self.trainable_variables)
         self._warn_about_findings()
 
     def _warn_about_findings(self) -> None:
@@ -331,10 +336,8 @@ class MixedPrecisionModel(keras.Model):
             )
 
     def compile_from_config(self, config: dict[str, Any]) -> None:
-        config = keras.saving.deserialize_keras_object(config)
-        self.compile(**config)
-        if self.built:
-            self.optimizer.build(self.trainable_variables)
+        # Keras skips compile_from_config for models that override compile.
+        self.compile(**keras.saving.deserialize_keras_object(config))
 
     def make_train_function(self, force: bool = False):
         if self._loss_scale is None:
