@@ -1,0 +1,53 @@
+"""The examples run offline and print what they promise."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(script, *args, tmp_path):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_HOME=str(tmp_path))  # no cached MNIST
+    completed = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *args],
+                               capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return completed.stdout + completed.stderr
+
+
+def test_mnist_example_reproduces_the_seed_offline(tmp_path):
+    output = _run("mnist_mixed_precision.py", "--epochs", "2", "--train-samples", "2000", tmp_path=tmp_path)
+    assert "built-in synthetic digits" in output
+    for key in ("loss_scale", "grad_norm", "skipped_steps", "epoch_time", "samples_per_sec"):
+        assert key in output
+    accuracy = float(re.search(r"validation accuracy (\d\.\d+)", output).group(1))
+    assert accuracy > 0.5
+
+
+def test_mnist_example_under_mixed_float16_uses_dynamic_scaling(tmp_path):
+    # Emulated float16 is slow on CPU: a few hundred samples, one epoch.
+    output = _run("mnist_mixed_precision.py", "--policy", "mixed_float16", "--epochs", "1",
+                  "--train-samples", "256", "--batch-size", "128", tmp_path=tmp_path)
+    assert "policy: mixed_float16" in output
+    assert re.search(r"loss scale (\d+)", output).group(1) == "32768"
+
+
+def test_custom_training_loop_example(tmp_path):
+    output = _run("custom_training_loop.py", "--epochs", "2", "--train-samples", "2000", tmp_path=tmp_path)
+    accuracies = [float(a) for a in re.findall(r"test accuracy (\d\.\d+)", output)]
+    assert len(accuracies) == 2 and accuracies[-1] > 0.5
+    assert "loss scale 32768" in output
+
+
+@pytest.mark.slow
+def test_tuner_search_example(tmp_path):
+    output = _run("tuner_search.py", "--max-trials", "2", "--epochs", "1", "--train-samples", "1000",
+                  tmp_path=tmp_path)
+    assert len(re.findall(r"^trial \d+: ", output, flags=re.M)) == 2
+    assert "global policy after the search: float32" in output
+    assert "best: {'dtype_policy'" in output
