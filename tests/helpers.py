@@ -67,3 +67,15 @@ class NaNGradientDense(keras.layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "units": self.units}
+
+
+def poisoned_model(loss_scale=None):
+    """clean -> poisoned -> head, compiled: only poisoned/kernel gets NaN gradients."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(4, activation="relu", name="clean")(inputs)
+    hidden = NaNGradientDense(4, name="poisoned")(hidden)
+    outputs = keras.layers.Dense(3, name="head")(hidden)
+    model = mp.MixedPrecisionModel(inputs, outputs, loss_scale=loss_scale)
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import mp_callbacks as mp
-from helpers import NaNGradientDense, classification_data, tiny_classifier
+from helpers import classification_data, poisoned_model, tiny_classifier
 
 
 def test_stock_model_with_keras_loss_scale_optimizer():
@@ -41,19 +41,9 @@ def test_reports_one_and_says_so_once_without_loss_scaling(caplog):
     assert len(messages) == 1
 
 
-def _poisoned_model(loss_scale):
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((6,))
-    hidden = NaNGradientDense(4, name="poisoned")(inputs)
-    outputs = keras.layers.Dense(3, name="head")(hidden)
-    model = mp.MixedPrecisionModel(inputs, outputs, loss_scale=loss_scale)
-    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
-
-
 def test_warns_when_the_scale_collapses_and_steps_are_skipped():
     x, y = classification_data(n=32)
-    model = _poisoned_model(mp.DynamicLossScale(initial_scale=4.0, min_scale=1.0))
+    model = poisoned_model(mp.DynamicLossScale(initial_scale=4.0, min_scale=1.0))
     with pytest.warns(mp.MixedPrecisionWarning) as caught:
         model.fit(x, y, epochs=2, batch_size=8, verbose=0, callbacks=[mp.LossScaleMonitor()])
     messages = [str(w.message) for w in caught]
@@ -67,7 +57,7 @@ def test_warns_when_the_scale_collapses_and_steps_are_skipped():
 
 def test_collapse_threshold_warns_above_the_minimum():
     x, y = classification_data(n=16)
-    model = _poisoned_model(mp.DynamicLossScale(initial_scale=64.0, min_scale=1.0))
+    model = poisoned_model(mp.DynamicLossScale(initial_scale=64.0, min_scale=1.0))
     monitor = mp.LossScaleMonitor(collapse_threshold=32.0, max_skipped_fraction=1.0)
     with pytest.warns(mp.MixedPrecisionWarning, match=r"collapsed to 16 \(below 32\)"):
         model.fit(x, y, epochs=1, batch_size=8, verbose=0, callbacks=[monitor])

@@ -355,3 +355,10 @@ def test_import_fails_clearly_on_another_backend():
     assert result.returncode != 0
     assert "ImportError" in result.stderr
     assert "KERAS_BACKEND=tensorflow" in result.stderr
+
+
+def test_import_without_tensorflow_says_what_to_install():
+    code = "import sys; sys.modules['tensorflow'] = None; import mp_callbacks"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "mp_callbacks[cpu]" in result.stderr and "mp_callbacks[gpu]" in result.stderr

@@ -7,24 +7,12 @@ import numpy as np
 import pytest
 
 import mp_callbacks as mp
-from helpers import NaNGradientDense, classification_data, tiny_classifier
-
-
-def _poisoned_model(loss_scale=None):
-    """clean -> poisoned -> head: only poisoned/kernel gets NaN gradients."""
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((6,))
-    hidden = keras.layers.Dense(4, activation="relu", name="clean")(inputs)
-    hidden = NaNGradientDense(4, name="poisoned")(hidden)
-    outputs = keras.layers.Dense(3, name="head")(hidden)
-    model = mp.MixedPrecisionModel(inputs, outputs, loss_scale=loss_scale)
-    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
+from helpers import classification_data, poisoned_model, tiny_classifier
 
 
 def test_raise_names_the_poisoned_layer_and_nothing_else():
     x, y = classification_data(n=32)
-    model = _poisoned_model()
+    model = poisoned_model()
     with pytest.raises(mp.NonFiniteGradientError) as caught:
         model.fit(x, y, epochs=3, batch_size=8, verbose=0,
                   callbacks=[mp.NaNGradientMonitor(patience=2, action="raise", check_every=1)])
@@ -40,7 +28,7 @@ def test_raise_names_the_poisoned_layer_and_nothing_else():
 
 def test_stop_ends_training_like_terminate_on_nan():
     x, y = classification_data(n=32)
-    model = _poisoned_model()
+    model = poisoned_model()
     monitor = mp.NaNGradientMonitor(patience=3, action="stop", check_every=1)
     history = model.fit(x, y, epochs=3, batch_size=8, verbose=0, callbacks=[monitor])
     assert model.stop_training
@@ -51,7 +39,7 @@ def test_stop_ends_training_like_terminate_on_nan():
 
 def test_warn_keeps_training_and_counts():
     x, y = classification_data(n=32)
-    model = _poisoned_model()
+    model = poisoned_model()
     monitor = mp.NaNGradientMonitor(patience=2, action="warn", check_every=100)
     with pytest.warns(mp.MixedPrecisionWarning, match="poisoned/kernel"):
         history = model.fit(x, y, epochs=2, batch_size=8, verbose=0, callbacks=[monitor])
@@ -64,7 +52,7 @@ def test_overflow_handled_by_scaling_is_not_divergence():
     x, y = classification_data(n=32)
     # Scale 16 backs off 16 -> 8 -> 4 -> 2 -> 1 in four skipped steps: loss
     # scaling is handling those. At the floor, skips become divergence.
-    model = _poisoned_model(mp.DynamicLossScale(initial_scale=16.0, min_scale=1.0))
+    model = poisoned_model(mp.DynamicLossScale(initial_scale=16.0, min_scale=1.0))
     monitor = mp.NaNGradientMonitor(patience=3, action="stop", check_every=1)
     model.fit(x, y, epochs=3, batch_size=8, verbose=0, callbacks=[monitor])
     assert monitor.handled_steps == 4
