@@ -31,8 +31,11 @@ def _restore_dtype_policy():
     keras.config.set_dtype_policy(before)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def two_cpu_strategy():
+    # One strategy for the whole session: separate MirroredStrategy objects
+    # in one process hand out the same collective instance keys, and a later
+    # strategy's all-reduce then meets an earlier one's and fails on shapes.
     devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
     if len(devices) < 2:
         pytest.skip("two logical CPU devices are not available")
