@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from mp_callbacks._backend import keras, tf
@@ -42,7 +42,6 @@ class BenchSettings:
     test_samples: int | None = None
     repeats: int = 1
     quiet: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 # A preset that finishes in about a minute on 2 CPU cores: the CNN (where

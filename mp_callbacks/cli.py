@@ -207,7 +207,7 @@ def _bench(args: argparse.Namespace) -> int:
             "versions": _versions(),
             "model": settings.model,
             "data": data_description,
-            "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "extra"},
+            "settings": dataclasses.asdict(settings),
         }
         _write(args.json, json.dumps(document, indent=2))
     if args.markdown:

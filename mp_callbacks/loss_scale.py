@@ -534,6 +534,19 @@ class DynamicLossScale(tf.Module):
             state["nonfinite_counts"] = self._nonfinite_counts
         return state
 
+    #: Prefix of this object's entries in a Keras weights store.
+    STORE_PREFIX = "mp_loss_scale."
+
+    def save_to_store(self, store: Any) -> None:
+        """Writes the state into a Keras weights store (`save_own_variables`)."""
+        for key, value in self.get_state().items():
+            store[self.STORE_PREFIX + key] = value
+
+    def load_from_store(self, store: Any) -> None:
+        """Reads the state back from a Keras weights store."""
+        prefix = self.STORE_PREFIX
+        self.set_state({k[len(prefix):]: store[k] for k in store.keys() if k.startswith(prefix)})
+
     def get_state(self) -> dict[str, Any]:
         """The state as NumPy values, keyed by name."""
         return {k: v.numpy() for k, v in self._state_variables().items()}

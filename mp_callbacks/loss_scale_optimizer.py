@@ -23,8 +23,6 @@ from mp_callbacks.loss_scale import DynamicLossScale
 
 __all__ = ["LossScaleOptimizer"]
 
-_STATE_PREFIX = "mp_loss_scale."
-
 
 @keras.saving.register_keras_serializable(package="mp_callbacks")
 class LossScaleOptimizer(keras.optimizers.Optimizer):
@@ -193,10 +191,7 @@ class LossScaleOptimizer(keras.optimizers.Optimizer):
 
     def save_own_variables(self, store: Any) -> None:
         # The inner optimizer saves its own slots as a child object.
-        for key, value in self.loss_scale.get_state().items():
-            store[_STATE_PREFIX + key] = value
+        self.loss_scale.save_to_store(store)
 
     def load_own_variables(self, store: Any) -> None:
-        self.loss_scale.set_state(
-            {k[len(_STATE_PREFIX):]: store[k] for k in store.keys() if k.startswith(_STATE_PREFIX)}
-        )
+        self.loss_scale.load_from_store(store)

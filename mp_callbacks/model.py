@@ -23,7 +23,6 @@ logger = logging.getLogger(__name__)
 #: Keys that `MixedPrecisionModel.train_step` adds to the training logs.
 LOG_KEYS = ("loss_scale", "grad_norm", "skipped_steps")
 
-_STATE_PREFIX = "mp_loss_scale."
 _AUTO = "auto"
 
 
@@ -417,16 +416,12 @@ class MixedPrecisionModel(keras.Model):
     def save_own_variables(self, store: Any) -> None:
         super().save_own_variables(store)
         if self._loss_scale is not None:
-            for key, value in self._loss_scale.get_state().items():
-                store[_STATE_PREFIX + key] = value
+            self._loss_scale.save_to_store(store)
 
     def load_own_variables(self, store: Any) -> None:
-        own = {k: store[k] for k in store.keys() if not k.startswith(_STATE_PREFIX)}
-        super().load_own_variables(own)
-        state = {
-            k[len(_STATE_PREFIX):]: store[k]
-            for k in store.keys()
-            if k.startswith(_STATE_PREFIX)
-        }
-        if state and self._loss_scale is not None:
-            self._loss_scale.set_state(state)
+        prefix = DynamicLossScale.STORE_PREFIX
+        super().load_own_variables(
+            {k: store[k] for k in store.keys() if not k.startswith(prefix)}
+        )
+        if self._loss_scale is not None:
+            self._loss_scale.load_from_store(store)
