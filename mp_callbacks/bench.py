@@ -69,7 +69,8 @@ def _peak_memory_mb() -> float:
 
 
 class _ProgressLine(keras.callbacks.Callback):
-    """One compact line per epoch on stderr."""
+    """One compact line per epoch, through logging (the worker's log goes
+    to stderr; stdout stays free)."""
 
     def __init__(self, policy: str) -> None:
         super().__init__()
@@ -78,13 +79,11 @@ class _ProgressLine(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         logs = logs or {}
         nan = float("nan")
-        print(
-            f"  {self.policy:<15} epoch {epoch + 1}/{self.params.get('epochs')}: "
-            f"{logs.get('epoch_time', nan):.2f} s, loss {logs.get('loss', nan):.4f}, "
-            f"accuracy {logs.get('accuracy', nan):.3f}, "
-            f"loss scale {logs.get('loss_scale', nan):g}",
-            file=sys.stderr,
-            flush=True,
+        logger.info(
+            "  %-15s epoch %d/%s: %.2f s, loss %.4f, accuracy %.3f, loss scale %g",
+            self.policy, epoch + 1, self.params.get("epochs"),
+            logs.get("epoch_time", nan), logs.get("loss", nan),
+            logs.get("accuracy", nan), logs.get("loss_scale", nan),
         )
 
 
@@ -171,7 +170,7 @@ def compare(settings: BenchSettings, in_subprocess: bool = True) -> list[dict[st
         for policy in order:
             if not settings.quiet:
                 run = f" (run {repeat + 1}/{settings.repeats})" if settings.repeats > 1 else ""
-                print(f"[{policy}] training {settings.model}{run} ...", file=sys.stderr, flush=True)
+                logger.info("[%s] training %s%s ...", policy, settings.model, run)
             runs[policy].append(runner(policy, settings))
     results = []
     for policy in settings.policies:
@@ -188,7 +187,8 @@ def compare(settings: BenchSettings, in_subprocess: bool = True) -> list[dict[st
 def _worker(argv: list[str]) -> int:
     request = json.loads(argv[0])
     settings = BenchSettings(**request["settings"])
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    logger.setLevel(logging.WARNING if settings.quiet else logging.INFO)
     result = run_policy(request["policy"], settings)
     with open(request["out"], "w", encoding="utf-8") as handle:
         json.dump(result, handle)

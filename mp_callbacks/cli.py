@@ -95,6 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    _show_progress(not getattr(args, "quiet", True))
     from mp_callbacks.bench import BenchError
     from mp_callbacks.data import DatasetError
 
@@ -103,6 +104,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (BenchError, DatasetError) as error:
         print(f"{_PROG}: error: {error}", file=sys.stderr)
         return 2
+
+
+def _show_progress(enabled: bool) -> None:
+    """The benchmark reports progress through logging; show it on stderr."""
+    import logging
+
+    bench_logger = logging.getLogger("mp_callbacks.bench")
+    bench_logger.setLevel(logging.INFO if enabled else logging.WARNING)
+    if enabled and not bench_logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        bench_logger.addHandler(handler)
+        bench_logger.propagate = False
 
 
 # ----------------------------------------------------------------- bench
