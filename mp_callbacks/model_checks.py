@@ -65,6 +65,38 @@ def _output_layers(model: keras.Model) -> list[Any]:
     return layers
 
 
+def _is_pass_through(layer: Any) -> bool:
+    """Layers that only cast or copy: what they get is what the loss gets."""
+    if isinstance(layer, keras.layers.Identity):
+        return True
+    activation = getattr(layer, "activation", None)
+    return isinstance(layer, keras.layers.Activation) and getattr(activation, "__name__", "") == "linear"
+
+
+def _parents(layer: Any) -> list[Any]:
+    parents = []
+    for node in getattr(layer, "_inbound_nodes", []):
+        for tensor in getattr(node, "input_tensors", []):
+            history = getattr(tensor, "_keras_history", None)
+            if history is not None and history[0] not in parents:
+                parents.append(history[0])
+    return parents
+
+
+def _layers_feeding_loss(output_layers: list[Any]) -> list[Any]:
+    """The output layers, and behind pass-through ones (a float32 cast
+    after a softmax) the layers whose values reach the loss unchanged."""
+    found, frontier = [], list(output_layers)
+    while frontier:
+        layer = frontier.pop(0)
+        if layer in found:
+            continue
+        found.append(layer)
+        if _is_pass_through(layer):
+            frontier.extend(_parents(layer))
+    return found
+
+
 def _size_of(layer: Any) -> tuple[str, int] | None:
     for attribute in ("units", "filters"):
         value = getattr(layer, attribute, None)
@@ -79,7 +111,9 @@ def check_model(model: keras.Model) -> list[Finding]:
     * a model output that is not float32 under a mixed policy (softmax
       outputs must be float32: the seed's section 3.3);
     * a softmax, sigmoid or normalization computed in float16/bfloat16 that
-      produces a model output, i.e. feeds the loss;
+      feeds the loss: it produces a model output, directly or through
+      pass-through layers (a float32 `Activation("linear")` cast after a
+      float16 softmax still feeds the loss a float16 softmax);
     * hidden layers whose size (units, filters) is not a multiple of 8,
       which Tensor Cores need for full speed (output sizes are set by the
       task and are not reported);
@@ -103,7 +137,7 @@ def check_model(model: keras.Model) -> list[Finding]:
                 "dtype='float32' (or add keras.layers.Activation('linear', "
                 "dtype='float32') after it) so the loss is computed in float32.",
             ))
-    for layer in output_layers:
+    for layer in _layers_feeding_loss(output_layers):
         dtype = _compute_dtype(layer)
         if dtype not in _LOW_PRECISION:
             continue

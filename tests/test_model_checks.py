@@ -78,3 +78,13 @@ def test_compile_warns_once_with_the_findings():
     with warnings.catch_warnings():
         warnings.simplefilter("error", mp.MixedPrecisionWarning)
         model.compile("adam", "sparse_categorical_crossentropy")
+
+
+def test_float16_softmax_behind_a_float32_cast_is_still_named():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    inputs = keras.Input((8,))
+    logits = keras.layers.Dense(16, name="logits")(inputs)
+    probabilities = keras.layers.Activation("softmax", name="softmax16")(logits)
+    outputs = keras.layers.Activation("linear", dtype="float32", name="cast")(probabilities)
+    findings = mp.check_model(keras.Model(inputs, outputs))
+    assert _kinds(findings) == [("low_precision_output_op", "softmax16")]
