@@ -176,6 +176,17 @@ def _advise(report: HardwareReport) -> None:
                 "mixed_float16 on a GPU without Tensor Cores is usually no faster "
                 "than float32."
             )
+        if not weakest.fast_bfloat16:
+            report.warnings.append(
+                f"mixed_bfloat16 on {weakest.name} (compute capability {cc or 'unknown'}) "
+                "has no bfloat16 Tensor Cores and is slower than mixed_float16."
+            )
+        if weakest.float16_tensor_cores:
+            report.warnings.append(
+                "mixed_float16 needs loss scaling or small gradients underflow to "
+                "zero: MixedPrecisionModel does it in fit(); hand-written loops "
+                "need mp_callbacks.LossScaleOptimizer or DynamicLossScale."
+            )
         if not report.cuda_build:
             report.warnings.append(
                 "This TensorFlow build has no CUDA support; install "

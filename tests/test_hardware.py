@@ -54,3 +54,10 @@ def test_cpu_features(flags, policy, fast):
     assert report.fast_policies == fast
     emulated_warning = any("emulated" in w for w in report.warnings)
     assert emulated_warning is ("mixed_float16" not in fast)
+
+
+def test_float16_gpus_are_reminded_of_loss_scaling_and_bfloat16_speed():
+    report = _report([GPUInfo("t4", (7, 5))])
+    assert any("loss scaling" in w for w in report.warnings)
+    assert any("mixed_bfloat16" in w and "slower" in w for w in report.warnings)
+    assert not any("mixed_bfloat16" in w for w in _report([GPUInfo("a100", (8, 0))]).warnings)

@@ -181,18 +181,26 @@ def test_steps_per_execution_and_jit_compile_train_identically():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_gradient_clipping_acts_on_unscaled_gradients():
+@pytest.mark.parametrize("clipping", ["clipnorm", "global_clipnorm", "clipvalue"])
+def test_gradient_clipping_acts_on_unscaled_gradients(clipping):
     x, y = classification_data(n=32)
     model = tiny_classifier(loss_scale=mp.DynamicLossScale.fixed(2.0**12))
-    model.compile(keras.optimizers.SGD(1.0, clipnorm=1e-3), "sparse_categorical_crossentropy")
+    limit = 1e-3
+    model.compile(keras.optimizers.SGD(1.0, **{clipping: limit}), "sparse_categorical_crossentropy")
     before = [w.copy() for w in model.get_weights()]
     model.fit(x, y, epochs=1, batch_size=32, verbose=0)
-    for w_after, w_before in zip(model.get_weights(), before):
-        step_norm = np.linalg.norm(w_after - w_before)
-        # Unclipped gradients here are far larger than 1e-3, so each update
-        # has norm exactly lr * clipnorm; clipping the scaled gradient would
-        # have given 1e-3 / 4096.
-        assert step_norm == pytest.approx(1e-3, rel=1e-3)
+    steps = [after - start for after, start in zip(model.get_weights(), before)]
+    # Unclipped gradients here are far larger than 1e-3, so the update hits
+    # the limit exactly; clipping the scaled gradient would have given
+    # 1e-3 / 4096.
+    if clipping == "clipnorm":
+        for step in steps:
+            assert np.linalg.norm(step) == pytest.approx(limit, rel=1e-3)
+    elif clipping == "global_clipnorm":
+        total = np.sqrt(sum(np.sum(step**2) for step in steps))
+        assert total == pytest.approx(limit, rel=1e-3)
+    else:
+        assert max(np.abs(step).max() for step in steps) == pytest.approx(limit, rel=1e-3)
 
 
 def test_mixed_float16_auto_uses_one_dynamic_scale():
