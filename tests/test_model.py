@@ -370,3 +370,32 @@ def test_import_without_tensorflow_says_what_to_install():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "mp_callbacks[cpu]" in result.stderr and "mp_callbacks[gpu]" in result.stderr
+
+
+@keras.saving.register_keras_serializable(package="mp_callbacks_tests")
+class SerializableNet(mp.MixedPrecisionModel):
+    def __init__(self, units=4, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.hidden = keras.layers.Dense(units, activation="relu")
+        self.head = keras.layers.Dense(3, activation="softmax", dtype="float32")
+
+    def call(self, inputs):
+        return self.head(self.hidden(inputs))
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
+def test_subclassed_model_saves_and_loads_with_its_scale(tmp_path):
+    x, y = classification_data(n=32)
+    net = SerializableNet(units=8, loss_scale=mp.DynamicLossScale(initial_scale=64.0, growth_interval=2))
+    net.compile("adam", "sparse_categorical_crossentropy")
+    net.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    assert net.get_loss_scale() == 256.0
+    net.save(tmp_path / "net.keras")
+    loaded = keras.models.load_model(tmp_path / "net.keras")
+    assert type(loaded) is SerializableNet and loaded.units == 8
+    assert loaded.get_loss_scale() == 256.0
+    assert loaded.loss_scale.get_config() == net.loss_scale.get_config()
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), net.predict(x, verbose=0))
