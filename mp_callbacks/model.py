@@ -110,6 +110,26 @@ def _functional_variant(cls: type) -> type:
     return variant
 
 
+def _in_multi_worker_mode(strategy: Any = None) -> bool:
+    strategy = strategy or tf.distribute.get_strategy()
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and bool(
+        getattr(strategy.extended, "_in_multi_worker_mode", lambda: False)()
+    )
+
+
+def _for_multi_worker_reduction(logs: dict[str, Any]) -> dict[str, Any]:
+    """Under MultiWorkerMirroredStrategy, Keras 3.15 reduces every step
+    output with strategy.reduce("MEAN", value, axis=0), which fails on
+    scalars; shape [1] reduces to the mean across replicas as a scalar.
+    Elsewhere the logs are returned untouched."""
+    if not _in_multi_worker_mode():
+        return logs
+    return {
+        key: tf.reshape(value, [1]) if getattr(value, "shape", None) is not None and value.shape.rank == 0 else value
+        for key, value in logs.items()
+    }
+
+
 class _EpochSignals:
     """Per-epoch trackers, kept out of Keras's tracking on purpose.
 
@@ -396,7 +416,28 @@ class MixedPrecisionModel(keras.Model):
         logs["loss_scale"] = loss_scale.current_scale()
         logs["grad_norm"] = signals.grad_norm.result()
         logs["skipped_steps"] = signals.skipped_steps.result()
-        return logs
+        return _for_multi_worker_reduction(logs)
+
+    def test_step(self, data: Any) -> dict[str, Any]:
+        return _for_multi_worker_reduction(super().test_step(data))
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras 3.15 reduces a distributed batch with strategy.reduce("MEAN")
+        # only to learn its shapes and dtypes, which fails under
+        # MultiWorkerMirroredStrategy; one local replica's batch has them.
+        if iterator is not None and _in_multi_worker_mode(self.distribute_strategy):
+            for _, _, batches in iterator:
+                batch = next(batches)
+                break
+            else:
+                return None
+            local = self.distribute_strategy.experimental_local_results
+            data_batch = tf.nest.map_structure(
+                lambda v: local(v)[0] if isinstance(v, tf.distribute.DistributedValues) else v,
+                batch,
+            )
+            iterator = None
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def reset_metrics(self) -> None:
         super().reset_metrics()

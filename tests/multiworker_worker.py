@@ -3,10 +3,9 @@
 TF_CONFIG comes from the parent test; the result goes to the .npz path in
 argv[1]. Not collected by pytest (no test_ prefix).
 
-Keras 3.15's fit() cannot run under MultiWorkerMirroredStrategy for any
-model (its trainer reduces scalar logs with strategy.reduce(..., axis=0)),
-so the worker drives MixedPrecisionModel.train_step with strategy.run, as
-a custom multi-worker loop does.
+It trains with fit() and the three callbacks, validates and evaluates:
+stock Keras 3.15 cannot run fit() under MultiWorkerMirroredStrategy at
+all; MixedPrecisionModel works around its trainer there.
 """
 
 import os
@@ -27,6 +26,8 @@ def main(out_path: str) -> None:
     x = rng.normal(size=(64, 6)).astype("float32")
     y = x[:, :3].argmax(axis=1)
     x[37] = np.nan  # one sample: one worker's shard of one step goes non-finite
+    x_val = rng.normal(size=(32, 6)).astype("float32")
+    y_val = x_val[:, :3].argmax(axis=1)
     with strategy.scope():
         keras.utils.set_random_seed(0)
         inputs = keras.Input((6,))
@@ -36,27 +37,21 @@ def main(out_path: str) -> None:
             inputs, outputs, loss_scale=mp.DynamicLossScale(initial_scale=256.0, growth_interval=3)
         )
         model.compile(keras.optimizers.SGD(0.05), "sparse_categorical_crossentropy")
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
-    distributed = strategy.experimental_distribute_dataset(dataset)
-
-    @tf.function
-    def train_step(batch):
-        return strategy.run(model.train_step, args=(batch,))
-
-    skipped_per_epoch = []
-    for _ in range(2):
-        model.reset_metrics()
-        for batch in distributed:
-            logs = train_step(batch)
-        skipped = strategy.experimental_local_results(logs["skipped_steps"])[0]
-        skipped_per_epoch.append(float(skipped))
+    callbacks = [mp.LossScaleMonitor(max_skipped_fraction=1.0), mp.NaNGradientMonitor(), mp.EpochTimer()]
+    history = model.fit(x, y, epochs=2, batch_size=16, shuffle=False, verbose=0,
+                        validation_data=(x_val, y_val), callbacks=callbacks).history
+    evaluation = model.evaluate(x_val, y_val, batch_size=16, verbose=0, return_dict=True)
     state = model.loss_scale.diagnostics()
     np.savez(
         out_path,
         *model.get_weights(),
         scale=state["scale"],
         skipped=state["skipped_steps"],
-        skipped_per_epoch=np.array(skipped_per_epoch),
+        skipped_per_epoch=np.array(history["skipped_steps"]),
+        loss_scale_log=np.array(history["loss_scale"]),
+        val_loss=np.array(history["val_loss"]),
+        epoch_time_logged=np.array([len(history["epoch_time"])]),
+        evaluate_loss=evaluation["loss"],
         iterations=int(model.optimizer.iterations.numpy()),
     )
 

@@ -143,6 +143,10 @@ def test_multi_worker_mirrored_strategy_two_processes(tmp_path):
     assert first["skipped_per_epoch"].tolist() == second["skipped_per_epoch"].tolist() == [1.0, 1.0]
     assert float(first["scale"]) == float(second["scale"])
     assert int(first["iterations"]) == int(second["iterations"]) == 2 * 4 - 2
+    np.testing.assert_array_equal(first["loss_scale_log"], second["loss_scale_log"])
+    np.testing.assert_allclose(first["val_loss"], second["val_loss"], rtol=1e-6)
+    assert np.all(np.isfinite(first["val_loss"])) and float(first["evaluate_loss"]) > 0
+    assert int(first["epoch_time_logged"][0]) == 2
     weights = sorted(k for k in first.files if k.startswith("arr_"))
     assert weights
     for key in weights:
