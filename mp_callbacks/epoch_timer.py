@@ -10,6 +10,8 @@ from typing import Any
 
 from mp_callbacks._backend import keras
 from mp_callbacks._callback_support import ConfigCopyMixin
+from mp_callbacks._loss_scale_source import read_variable
+from mp_callbacks._validation import check_bool, check_int
 
 __all__ = ["EpochTimer"]
 
@@ -55,14 +57,10 @@ class EpochTimer(ConfigCopyMixin, keras.callbacks.Callback):
 
     def __init__(self, time_validation: bool = False, batch_size: int | None = None) -> None:
         super().__init__()
-        if batch_size is not None and (
-            not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1
-        ):
-            raise ValueError(
-                "EpochTimer: `batch_size` must be None or an integer >= 1; "
-                f"received batch_size={batch_size!r}."
-            )
-        self.time_validation = bool(time_validation)
+        if batch_size is not None:
+            batch_size = check_int("EpochTimer", "batch_size", batch_size, low=1,
+                                   requirement="None or an integer >= 1")
+        self.time_validation = check_bool("EpochTimer", "time_validation", time_validation)
         self.batch_size = batch_size
         self.async_safe = True
         self.records: list[dict[str, Any]] = []
@@ -117,7 +115,7 @@ class EpochTimer(ConfigCopyMixin, keras.callbacks.Callback):
             "epoch_time": seconds,
             "steps": self._epoch_steps,
             "samples": self._samples,
-            "steps_per_sec": self._epoch_steps / seconds if seconds > 0 else float("nan"),
+            "steps_per_sec": self._epoch_steps / seconds if seconds > 0 else 0.0,
             "samples_per_sec": (
                 self._samples / seconds if self._samples is not None and seconds > 0 else None
             ),
@@ -169,10 +167,12 @@ class EpochTimer(ConfigCopyMixin, keras.callbacks.Callback):
     def _count_samples(self) -> float | None:
         # Keras's loss tracker is a Mean weighted by batch size: its count is
         # the number of samples trained on this epoch (one read per epoch).
+        if self._epoch_steps == 0:
+            return 0.0  # the tracker still holds the previous epoch's count
         tracker = getattr(self.model, "_loss_tracker", None)
         count = getattr(tracker, "count", None)
         if count is not None:
-            samples = float(keras.ops.convert_to_numpy(count))
+            samples = float(read_variable(count))
             if samples > 0:
                 return samples
         if self.batch_size is not None:

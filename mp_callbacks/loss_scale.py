@@ -28,25 +28,55 @@ NaN update would destroy the weights.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
+
+import numpy as np
 
 from mp_callbacks._backend import keras, tf
+from mp_callbacks._validation import FLOAT32_MAX, INT64_MAX, check_int, check_real
 
-__all__ = ["DynamicLossScale"]
+__all__ = ["DynamicLossScale", "STATE_VARIABLES"]
 
 _ONLY_FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
+_OWNER = "DynamicLossScale"
 
 
-def _require(condition: bool, argument: str, value: Any, requirement: str) -> None:
-    if not condition:
-        raise ValueError(
-            f"DynamicLossScale: `{argument}` must be {requirement}; "
-            f"received {argument}={value!r}."
-        )
+class _StateVariable(NamedTuple):
+    name: str
+    dtype: Any
+    doc: str
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+#: The one table of the state machine's variables. Their names are the keys
+#: of `diagnostics()`, `get_state()`/`set_state()` and of the saved weights.
+STATE_VARIABLES = (
+    _StateVariable("scale", tf.float32, "the current loss scale"),
+    _StateVariable("good_steps", tf.int64, "finite steps since the last growth or overflow"),
+    _StateVariable("hysteresis_left", tf.int64, "overflows left before the next backoff"),
+    _StateVariable("step_count", tf.int64, "steps seen (applied or skipped)"),
+    _StateVariable("skipped_steps", tf.int64, "steps skipped for non-finite gradients"),
+    _StateVariable("nonfinite_loss_steps", tf.int64, "steps whose loss was non-finite"),
+    _StateVariable(
+        "divergent_steps", tf.int64,
+        "divergent steps: a non-finite loss, or a skipped step with the scale at min_scale",
+    ),
+    _StateVariable("divergent_run", tf.int64, "the current run of consecutive divergent steps"),
+    _StateVariable(
+        "max_divergent_run", tf.int64,
+        "the longest divergent run since the last reset_divergence_latches()",
+    ),
+    _StateVariable(
+        "lowest_scale", tf.float32,
+        "the lowest scale reached since the last reset_lowest_scale()",
+    ),
+)
+_COUNTERS = tuple(v.name for v in STATE_VARIABLES if v.dtype == tf.int64)
+# Names used by earlier releases in saved weights.
+_LEGACY_NAMES = {
+    "skipped_count": "skipped_steps",
+    "nonfinite_loss_count": "nonfinite_loss_steps",
+    "divergent_count": "divergent_steps",
+}
 
 
 def _nonfinite_flag(value: Any) -> tf.Tensor:
@@ -120,92 +150,62 @@ class DynamicLossScale(tf.Module):
         hysteresis: int = 1,
         name: str = "dynamic_loss_scale",
     ) -> None:
-        for argument, value in (
-            ("initial_scale", initial_scale),
-            ("min_scale", min_scale),
-            ("max_scale", max_scale),
-        ):
-            _require(
-                _is_number(value) and math.isfinite(value) and value > 0,
-                argument,
-                value,
-                "a finite number > 0",
+        initial_scale, min_scale, max_scale = (
+            check_real(_OWNER, argument, value, low=0.0, low_inclusive=False, float32=True)
+            for argument, value in (
+                ("initial_scale", initial_scale),
+                ("min_scale", min_scale),
+                ("max_scale", max_scale),
             )
-        _require(
-            isinstance(growth_interval, int)
-            and not isinstance(growth_interval, bool)
-            and growth_interval >= 1,
-            "growth_interval",
-            growth_interval,
-            "an integer >= 1",
         )
-        _require(
-            _is_number(growth_factor)
-            and math.isfinite(growth_factor)
-            and growth_factor > 1,
-            "growth_factor",
-            growth_factor,
-            "a finite number > 1",
+        # int64 counters: good_steps + 1 must not overflow.
+        growth_interval = check_int(_OWNER, "growth_interval", growth_interval, low=1)
+        hysteresis = check_int(_OWNER, "hysteresis", hysteresis, low=1)
+        growth_factor = check_real(
+            _OWNER, "growth_factor", growth_factor, low=1.0, low_inclusive=False, float32=True
         )
-        _require(
-            _is_number(backoff_factor) and 0 < backoff_factor < 1,
-            "backoff_factor",
-            backoff_factor,
-            "a number in the open interval (0, 1)",
+        backoff_factor = check_real(
+            _OWNER, "backoff_factor", backoff_factor, low=0.0, high=1.0,
+            low_inclusive=False, high_inclusive=False, float32=True,
+            requirement="a number in the open interval (0, 1)",
         )
-        _require(
-            min_scale <= max_scale,
-            "min_scale",
-            min_scale,
-            f"<= max_scale ({max_scale!r})",
-        )
-        _require(
-            min_scale <= initial_scale <= max_scale,
-            "initial_scale",
-            initial_scale,
-            f"within [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}]",
-        )
-        _require(
-            isinstance(hysteresis, int)
-            and not isinstance(hysteresis, bool)
-            and hysteresis >= 1,
-            "hysteresis",
-            hysteresis,
-            "an integer >= 1",
-        )
+        if min_scale > max_scale:
+            raise ValueError(
+                f"{_OWNER}: `min_scale` must be <= max_scale ({max_scale!r}); "
+                f"received min_scale={min_scale!r}."
+            )
+        if not min_scale <= initial_scale <= max_scale:
+            raise ValueError(
+                f"{_OWNER}: `initial_scale` must be within [min_scale, max_scale] = "
+                f"[{min_scale!r}, {max_scale!r}]; received initial_scale={initial_scale!r}."
+            )
         super().__init__(name=name)
-        self.initial_scale = float(initial_scale)
-        self.growth_interval = int(growth_interval)
-        self.growth_factor = float(growth_factor)
-        self.backoff_factor = float(backoff_factor)
-        self.min_scale = float(min_scale)
-        self.max_scale = float(max_scale)
-        self.hysteresis = int(hysteresis)
+        self.initial_scale = initial_scale
+        self.growth_interval = growth_interval
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.min_scale = min_scale
+        self.max_scale = max_scale
+        self.hysteresis = hysteresis
 
-        def state(value, dtype, var_name):
-            return tf.Variable(
-                value,
-                dtype=dtype,
-                trainable=False,
-                aggregation=_ONLY_FIRST,
-                name=var_name,
-            )
-
-        with self.name_scope:
-            # The loss-scale state proper.
-            self._scale = state(self.initial_scale, tf.float32, "scale")
-            self._good_steps = state(0, tf.int64, "good_steps")
-            self._hysteresis_left = state(
-                self.hysteresis, tf.int64, "hysteresis_left"
-            )
-            # Cumulative step signals, read by callbacks every N steps so that
-            # nothing between two reads is missed and nothing syncs per step.
-            self._step_count = state(0, tf.int64, "step_count")
-            self._skipped_count = state(0, tf.int64, "skipped_count")
-            self._nonfinite_loss_count = state(0, tf.int64, "nonfinite_loss_count")
-            self._divergent_count = state(0, tf.int64, "divergent_count")
-            self._divergent_run = state(0, tf.int64, "divergent_run")
-            self._max_divergent_run = state(0, tf.int64, "max_divergent_run")
+        initial_values = {
+            "scale": initial_scale,
+            "hysteresis_left": hysteresis,
+            "lowest_scale": initial_scale,
+        }
+        self._state: dict[str, tf.Variable] = {}
+        # The state must not be replicated per device: one value, updated
+        # identically by every replica after one all-reduced decision.
+        with tf.init_scope(), self.name_scope:
+            for spec in STATE_VARIABLES:
+                self._state[spec.name] = tf.Variable(
+                    initial_values.get(spec.name, 0),
+                    dtype=spec.dtype,
+                    trainable=False,
+                    aggregation=_ONLY_FIRST,
+                    name=spec.name,
+                )
+        self._scale = self._state["scale"]
         # Per-variable non-finite counts need the variable list: see build().
         self._nonfinite_counts = None
         self._variable_paths: list[str] = []
@@ -299,16 +299,26 @@ class DynamicLossScale(tf.Module):
         loss = tf.convert_to_tensor(loss)
         return loss * tf.cast(self._scale, loss.dtype)
 
-    def unscale(self, grads: Iterable[Any]) -> list[Any]:
-        """Divides each gradient by the scale; None gradients pass through."""
+    def unscale(self, grads: Iterable[Any], variables: Iterable[Any] | None = None) -> list[Any]:
+        """Divides each gradient by the scale; None gradients pass through.
+
+        With `variables`, the "gradients" of variables that Keras overwrites
+        with their gradient (`overwrite_with_gradient`: float8 layers' scales
+        and amax histories) pass through unchanged, as in Keras's own
+        `LossScaleOptimizer`.
+        """
         grads = list(grads)
         if not self.scaling_active:
             return grads
         inverse = tf.math.reciprocal(self._scale)
+        overwrite = (
+            [bool(getattr(v, "overwrite_with_gradient", False)) for v in variables]
+            if variables is not None else [False] * len(grads)
+        )
 
-        def unscale_one(grad):
-            if grad is None:
-                return None
+        def unscale_one(grad, keep):
+            if grad is None or keep:
+                return grad
             if isinstance(grad, tf.IndexedSlices):
                 return tf.IndexedSlices(
                     grad.values * tf.cast(inverse, grad.values.dtype),
@@ -317,7 +327,7 @@ class DynamicLossScale(tf.Module):
                 )
             return grad * tf.cast(inverse, grad.dtype)
 
-        return [unscale_one(g) for g in grads]
+        return [unscale_one(g, keep) for g, keep in zip(grads, overwrite)]
 
     def apply_gradients(
         self,
@@ -325,6 +335,7 @@ class DynamicLossScale(tf.Module):
         grads: Iterable[Any],
         variables: Iterable[Any],
         loss: Any = None,
+        restore_on_skip: Sequence[tuple[Any, Any]] = (),
     ) -> tf.Tensor:
         """Applies unscaled `grads` if all are finite; updates the state.
 
@@ -334,6 +345,11 @@ class DynamicLossScale(tf.Module):
             variables: the variables the gradients belong to.
             loss: optional unscaled loss; a non-finite loss counts as
                 divergence for `NaNGradientMonitor`.
+            restore_on_skip: `(variable, value)` pairs assigned back when
+                the step is skipped: state that the forward pass already
+                changed, such as BatchNormalization's moving statistics,
+                read before the forward pass. Nothing is assigned on an
+                applied step.
 
         Returns:
             A boolean scalar tensor: True if the gradients were applied.
@@ -369,6 +385,8 @@ class DynamicLossScale(tf.Module):
             )
         grads_finite = tf.equal(tf.reduce_sum(flags[:-1]), 0)
 
+        restore_variables = [variable for variable, _ in restore_on_skip]
+        restore_values = [value for _, value in restore_on_skip]
         if (
             not tf.distribute.has_strategy()
             or tf.__internal__.distribute.strategy_supports_no_merge_call()
@@ -376,14 +394,14 @@ class DynamicLossScale(tf.Module):
             tf.cond(
                 grads_finite,
                 lambda: self._apply(optimizer, grads, variables),
-                lambda: None,
+                lambda: self._restore(restore_variables, restore_values),
             )
             self._update_state(flags)
         else:
             # A cond whose branch calls optimizer.apply (which merge_calls)
             # cannot run in a replica context: decide in cross-replica context,
             # as Keras's own LossScaleOptimizer._tf_apply does.
-            def decide(distribution, grads, flags):
+            def decide(distribution, grads, flags, restore_values):
                 flags = distribution.experimental_local_results(flags)[0]
 
                 def apply_on_every_replica():
@@ -391,31 +409,51 @@ class DynamicLossScale(tf.Module):
                         self._apply, args=(optimizer, grads, variables)
                     )
 
+                def restore_on_every_replica():
+                    distribution.extended.call_for_each_replica(
+                        self._restore, args=(restore_variables, restore_values)
+                    )
+
                 tf.cond(
                     tf.equal(tf.reduce_sum(flags[:-1]), 0),
                     apply_on_every_replica,
-                    lambda: None,
+                    restore_on_every_replica,
                 )
                 self._update_state(flags)
 
-            replica_context.merge_call(decide, args=(grads, flags))
+            replica_context.merge_call(decide, args=(grads, flags, restore_values))
         return grads_finite
 
     @staticmethod
     def _apply(optimizer, grads, variables):
-        optimizer.apply(grads, variables)
+        # apply_gradients rather than apply: an optimizer subclass that
+        # overrides apply_gradients is honoured (Keras's calls apply).
+        optimizer.apply_gradients(list(zip(grads, variables)))
+
+    @staticmethod
+    def _restore(variables, values):
+        for variable, value in zip(variables, values):
+            variable.assign(value)
 
     def _update_state(self, flags: tf.Tensor) -> None:
         """Advances the state machine; `flags` are already all-reduced."""
+        state = self._state
         per_variable = tf.minimum(flags[:-1], 1)
         grads_finite = tf.equal(tf.reduce_sum(per_variable), 0)
         loss_finite = tf.equal(flags[-1], 0)
-        scale = self._scale.read_value()
+        scale = state["scale"].read_value()
+        # A scale that is not a positive finite number (written into the
+        # variable by hand) could never recover: start again from initial.
+        scale = tf.where(
+            tf.logical_and(tf.math.is_finite(scale), scale > 0.0),
+            scale,
+            tf.constant(self.initial_scale, tf.float32),
+        )
         at_floor = scale <= self.min_scale
 
-        good = self._good_steps + 1
+        good = state["good_steps"] + 1
         grow = tf.logical_and(grads_finite, good >= self.growth_interval)
-        hysteresis_left = tf.maximum(self._hysteresis_left - 1, 0)
+        hysteresis_left = tf.maximum(state["hysteresis_left"] - 1, 0)
         back_off = tf.logical_and(
             tf.logical_not(grads_finite), hysteresis_left <= 0
         )
@@ -428,15 +466,16 @@ class DynamicLossScale(tf.Module):
                 scale,
             ),
         )
-        self._scale.assign(new_scale)
-        self._good_steps.assign(
+        state["scale"].assign(new_scale)
+        state["lowest_scale"].assign(tf.minimum(state["lowest_scale"], new_scale))
+        state["good_steps"].assign(
             tf.where(grads_finite & tf.logical_not(grow), good, 0)
         )
-        self._hysteresis_left.assign(
+        state["hysteresis_left"].assign(
             tf.where(
                 grow,
                 tf.constant(self.hysteresis, tf.int64),
-                tf.where(grads_finite, self._hysteresis_left, hysteresis_left),
+                tf.where(grads_finite, state["hysteresis_left"], hysteresis_left),
             )
         )
 
@@ -445,15 +484,15 @@ class DynamicLossScale(tf.Module):
             tf.logical_not(loss_finite),
             tf.logical_and(tf.logical_not(grads_finite), at_floor),
         )
-        run = tf.where(divergent, self._divergent_run + 1, 0)
-        self._step_count.assign_add(1)
-        self._skipped_count.assign_add(skipped)
-        self._nonfinite_loss_count.assign_add(
+        run = tf.where(divergent, state["divergent_run"] + 1, 0)
+        state["step_count"].assign_add(1)
+        state["skipped_steps"].assign_add(skipped)
+        state["nonfinite_loss_steps"].assign_add(
             tf.cast(tf.logical_not(loss_finite), tf.int64)
         )
-        self._divergent_count.assign_add(tf.cast(divergent, tf.int64))
-        self._divergent_run.assign(run)
-        self._max_divergent_run.assign(tf.maximum(self._max_divergent_run, run))
+        state["divergent_steps"].assign_add(tf.cast(divergent, tf.int64))
+        state["divergent_run"].assign(run)
+        state["max_divergent_run"].assign(tf.maximum(state["max_divergent_run"], run))
         self._nonfinite_counts.assign_add(per_variable)
 
     # ------------------------------------------------------ host-side reads
@@ -462,49 +501,41 @@ class DynamicLossScale(tf.Module):
         return float(self._scale.numpy())
 
     def diagnostics(self) -> dict[str, float | int]:
-        """Cumulative step signals as Python numbers (one host read).
+        """The state as Python numbers, in one host read.
 
-        Keys: `scale`, `good_steps`, `hysteresis_left`, `step_count`,
-        `skipped_steps` (total skipped), `nonfinite_loss_steps`,
-        `divergent_steps` (total divergent steps: a non-finite loss, or a
-        skipped step with the scale at `min_scale`), `divergent_run`
-        (current run of consecutive divergent steps)
-        and `max_divergent_run` (longest such run since the last
-        `reset_max_divergent_run`).
+        Keys are the names in `STATE_VARIABLES`: `scale` and `lowest_scale`
+        (floats), and the counters `good_steps`, `hysteresis_left`,
+        `step_count`, `skipped_steps` (total skipped), `nonfinite_loss_steps`,
+        `divergent_steps` (a non-finite loss, or a skipped step with the scale
+        at `min_scale`), `divergent_run` (current run of consecutive divergent
+        steps) and `max_divergent_run` (longest run since the last
+        `reset_divergence_latches`).
         """
-        keys = (
-            "scale",
-            "good_steps",
-            "hysteresis_left",
-            "step_count",
-            "skipped_steps",
-            "nonfinite_loss_steps",
-            "divergent_steps",
-            "divergent_run",
-            "max_divergent_run",
-        )
-        variables = (
-            self._scale,
-            self._good_steps,
-            self._hysteresis_left,
-            self._step_count,
-            self._skipped_count,
-            self._nonfinite_loss_count,
-            self._divergent_count,
-            self._divergent_run,
-            self._max_divergent_run,
-        )
-        # One device-to-host transfer; float64 holds the counters exactly.
-        values = tf.stack([tf.cast(v, tf.float64) for v in variables]).numpy()
-        result: dict[str, float | int] = {
-            key: int(value) for key, value in zip(keys, values)
+        names = [spec.name for spec in STATE_VARIABLES]
+        # One device-to-host transfer; float64 holds the counters exactly
+        # up to 2**53, far beyond any training run.
+        values = tf.stack(
+            [tf.cast(self._state[name], tf.float64) for name in names]
+        ).numpy()
+        return {
+            name: int(value) if name in _COUNTERS else float(value)
+            for name, value in zip(names, values)
         }
-        result["scale"] = float(values[0])
-        return result
+
+    def reset_divergence_latches(self) -> None:
+        """Forgets earlier divergence: the current and the longest divergent
+        run restart from 0. A new `fit` starts from here, so that a run that
+        diverged earlier is not reported again on clean data."""
+        self._state["divergent_run"].assign(0)
+        self._state["max_divergent_run"].assign(0)
 
     def reset_max_divergent_run(self) -> None:
         """Restarts the `max_divergent_run` latch from the current run."""
-        self._max_divergent_run.assign(self._divergent_run)
+        self._state["max_divergent_run"].assign(self._state["divergent_run"])
+
+    def reset_lowest_scale(self) -> None:
+        """Restarts the `lowest_scale` latch from the current scale."""
+        self._state["lowest_scale"].assign(self._scale)
 
     def nonfinite_gradient_counts(self) -> dict[str, int]:
         """Steps with a non-finite gradient, per variable path, in order.
@@ -519,43 +550,49 @@ class DynamicLossScale(tf.Module):
 
     # ------------------------------------------------------- save / restore
     def _state_variables(self) -> dict[str, tf.Variable]:
-        state = {
-            "scale": self._scale,
-            "good_steps": self._good_steps,
-            "hysteresis_left": self._hysteresis_left,
-            "step_count": self._step_count,
-            "skipped_count": self._skipped_count,
-            "nonfinite_loss_count": self._nonfinite_loss_count,
-            "divergent_count": self._divergent_count,
-            "divergent_run": self._divergent_run,
-            "max_divergent_run": self._max_divergent_run,
-        }
+        state = dict(self._state)
         if self.built:
             state["nonfinite_counts"] = self._nonfinite_counts
         return state
 
-    #: Prefix of this object's entries in a Keras weights store.
-    STORE_PREFIX = "mp_loss_scale."
-
-    def save_to_store(self, store: Any) -> None:
-        """Writes the state into a Keras weights store (`save_own_variables`)."""
-        for key, value in self.get_state().items():
-            store[self.STORE_PREFIX + key] = value
-
-    def load_from_store(self, store: Any) -> None:
-        """Reads the state back from a Keras weights store."""
-        prefix = self.STORE_PREFIX
-        self.set_state({k[len(prefix):]: store[k] for k in store.keys() if k.startswith(prefix)})
-
     def get_state(self) -> dict[str, Any]:
-        """The state as NumPy values, keyed by name."""
+        """The state as NumPy values, keyed by the names in `STATE_VARIABLES`
+        (plus `nonfinite_counts` once built)."""
         return {k: v.numpy() for k, v in self._state_variables().items()}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        """Restores a state from `get_state` (unknown or misshapen keys are
-        ignored, so a state saved before `build` still restores the scale)."""
+        """Restores a state from `get_state` (or a weights file).
+
+        Restores state, not hyperparameters. Unknown keys, and per-variable
+        counts of another shape, are ignored (a state saved before `build`
+        still restores the scale). A scale that is not a finite number > 0,
+        or a negative counter, is refused with a ValueError and nothing is
+        changed: a loss scale restored as NaN, inf, 0 or negative could never
+        recover.
+        """
+        state = {_LEGACY_NAMES.get(k, k): v for k, v in state.items()}
+        updates = []
         for key, variable in self._state_variables().items():
-            if key in state:
-                value = tf.convert_to_tensor(state[key], variable.dtype)
-                if value.shape == variable.shape:
-                    variable.assign(value)
+            if key not in state:
+                continue
+            value = np.asarray(state[key])
+            if value.shape != tuple(variable.shape):
+                continue
+            if key in ("scale", "lowest_scale"):
+                number = float(value)
+                if not (math.isfinite(number) and 0 < number <= FLOAT32_MAX):
+                    raise ValueError(
+                        f"{_OWNER}: cannot restore the loss scale: the saved `{key}` "
+                        f"is {number!r}, and a loss scale must be a finite number "
+                        "> 0. The checkpoint or weights file holds a corrupted "
+                        "loss scale; restore an earlier one, or call "
+                        "set_state without this key to keep the current scale."
+                    )
+            elif not np.issubdtype(value.dtype, np.number) or np.any(value < 0) or np.any(value > INT64_MAX):
+                raise ValueError(
+                    f"{_OWNER}: cannot restore the loss scale's counter `{key}`: it "
+                    f"must be a non-negative integer; received {key}={value!r}."
+                )
+            updates.append((variable, tf.convert_to_tensor(value, variable.dtype)))
+        for variable, value in updates:
+            variable.assign(value)

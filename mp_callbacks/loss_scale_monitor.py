@@ -4,12 +4,14 @@ collapses or too many steps are skipped."""
 from __future__ import annotations
 
 import logging
-import math
 import warnings
+import math
 from typing import Any
 
 from mp_callbacks._backend import keras
-from mp_callbacks._callback_support import ConfigCopyMixin, LossScaleSource
+from mp_callbacks._callback_support import ConfigCopyMixin
+from mp_callbacks._loss_scale_source import LossScaleSource, read_variable
+from mp_callbacks._validation import check_int, check_real
 from mp_callbacks.errors import MixedPrecisionWarning
 
 __all__ = ["LossScaleMonitor"]
@@ -74,27 +76,19 @@ class LossScaleMonitor(ConfigCopyMixin, keras.callbacks.Callback):
         max_skipped_fraction: float = 0.05,
     ) -> None:
         super().__init__()
-        if every_n_steps is not None and (
-            not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1
-        ):
-            raise ValueError(
-                "LossScaleMonitor: `every_n_steps` must be None or an integer >= 1; "
-                f"received every_n_steps={every_n_steps!r}."
+        owner = "LossScaleMonitor"
+        if every_n_steps is not None:
+            every_n_steps = check_int(owner, "every_n_steps", every_n_steps, low=1,
+                                      requirement="None or an integer >= 1")
+        if collapse_threshold is not None:
+            collapse_threshold = check_real(
+                owner, "collapse_threshold", collapse_threshold, low=0.0, low_inclusive=False,
+                requirement="None or a finite number > 0",
             )
-        if collapse_threshold is not None and not (
-            isinstance(collapse_threshold, (int, float))
-            and math.isfinite(collapse_threshold)
-            and collapse_threshold > 0
-        ):
-            raise ValueError(
-                "LossScaleMonitor: `collapse_threshold` must be None or a finite "
-                f"number > 0; received collapse_threshold={collapse_threshold!r}."
-            )
-        if not (isinstance(max_skipped_fraction, (int, float)) and 0 <= max_skipped_fraction <= 1):
-            raise ValueError(
-                "LossScaleMonitor: `max_skipped_fraction` must be a number in "
-                f"[0, 1]; received max_skipped_fraction={max_skipped_fraction!r}."
-            )
+        max_skipped_fraction = check_real(
+            owner, "max_skipped_fraction", max_skipped_fraction, low=0.0, high=1.0,
+            requirement="a number in [0, 1]",
+        )
         self.every_n_steps = every_n_steps
         self.collapse_threshold = collapse_threshold
         self.max_skipped_fraction = float(max_skipped_fraction)
@@ -107,6 +101,7 @@ class LossScaleMonitor(ConfigCopyMixin, keras.callbacks.Callback):
         self._epoch_steps = 0
         self._last_recorded_step = 0
         self._collapsed = False
+        self._lowest_scale = math.inf
         self._iterations_at_epoch_start = 0
         self._epoch = 0
 
@@ -119,10 +114,15 @@ class LossScaleMonitor(ConfigCopyMixin, keras.callbacks.Callback):
 
     # ------------------------------------------------------------- hooks
     def on_train_begin(self, logs=None):
+        # Everything is per fit, as in keras.callbacks.History: a monitor
+        # reused across fits or models never reports an earlier run's scale.
+        self.history = []
         self._source = LossScaleSource.of(self.model)
         self._steps_before_epoch = 0
         self._last_recorded_step = 0
         self._collapsed = False
+        if self._source.kind == "mp":
+            self._source.loss_scale.reset_lowest_scale()
         if not self._source.active:
             logger.info(
                 "LossScaleMonitor: no loss scaling is active for model %r "
@@ -134,8 +134,9 @@ class LossScaleMonitor(ConfigCopyMixin, keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
         self._epoch_steps = 0
+        self._lowest_scale = math.inf
         if self._source.kind == "keras":
-            self._iterations_at_epoch_start = int(self.model.optimizer.iterations.numpy())
+            self._iterations_at_epoch_start = int(read_variable(self.model.optimizer.iterations))
 
     def on_train_batch_end(self, batch, logs=None):
         self._epoch_steps = max(self._epoch_steps, batch + 1)
@@ -148,43 +149,58 @@ class LossScaleMonitor(ConfigCopyMixin, keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         logs = logs if logs is not None else {}
         step = self._steps_before_epoch + self._epoch_steps
-        if self.history and self.history[-1]["step"] == step and step > 0:
-            scale = self.history[-1]["loss_scale"]  # just recorded at step N
+        if self.history and self.history[-1]["step"] == step and self._epoch_steps:
+            scale = self.history[-1]["loss_scale"]  # recorded at this very step
         else:
             scale = self._record(step)
-        logs["loss_scale"] = scale
+        # The model's own entry is exact; never overwrite it.
+        logs.setdefault("loss_scale", scale)
         if "skipped_steps" not in logs and self._source.kind == "keras":
-            applied = int(self.model.optimizer.iterations.numpy()) - self._iterations_at_epoch_start
+            applied = int(read_variable(self.model.optimizer.iterations)) - self._iterations_at_epoch_start
             logs["skipped_steps"] = float(max(self._epoch_steps - applied, 0))
         self._steps_before_epoch = step
-        self._check_collapse(epoch, scale)
+        self._check_collapse(epoch, scale, self._lowest_scale)
         self._check_skipped(epoch, logs.get("skipped_steps"))
 
     # ------------------------------------------------------------ helpers
     def _record(self, step: int) -> float:
+        """Reads the scale (and the lowest since the last read) and records it."""
+        lowest = self._source.read_lowest_scale()
         scale = self._source.read_scale()
+        self._lowest_scale = min(self._lowest_scale, lowest, scale)
         self.history.append({"epoch": self._epoch, "step": step, "loss_scale": scale})
         self._last_recorded_step = step
         return scale
 
-    def _check_collapse(self, epoch: int, scale: float) -> None:
+    def _check_collapse(self, epoch: int, scale: float, lowest: float) -> None:
+        """Warns once per collapse; `lowest` catches a collapse inside the
+        epoch that had recovered by its end."""
         if not self._source.dynamic:
             return
         floor = self._source.min_scale
-        collapsed = scale <= floor or (
-            self.collapse_threshold is not None and scale < self.collapse_threshold
-        )
+
+        def collapsed_at(value: float) -> bool:
+            return value <= floor or (
+                self.collapse_threshold is not None and value < self.collapse_threshold
+            )
+
+        collapsed = collapsed_at(min(lowest, scale))
         if collapsed and not self._collapsed:
-            limit = f"its minimum {floor:g}" if scale <= floor else f"below {self.collapse_threshold:g}"
+            low = min(lowest, scale)
+            limit = f"its minimum {floor:g}" if low <= floor else f"below {self.collapse_threshold:g}"
+            when = (
+                f"by the end of epoch {epoch + 1}" if collapsed_at(scale)
+                else f"during epoch {epoch + 1} (it ended the epoch at {scale:g})"
+            )
             warnings.warn(
-                f"Loss scale collapsed to {scale:g} ({limit}) by the end of epoch "
-                f"{epoch + 1}: gradients overflow even with little or no scaling, "
-                f"which loss scaling cannot fix. Try: {_ADVICE}; or train this "
-                "model in mixed_bfloat16 or float32.",
+                f"Loss scale collapsed to {low:g} ({limit}) {when}: gradients "
+                "overflow even with little or no scaling, which loss scaling "
+                f"cannot fix. Try: {_ADVICE}; or train this model in "
+                "mixed_bfloat16 or float32.",
                 MixedPrecisionWarning,
                 stacklevel=2,
             )
-        self._collapsed = collapsed
+        self._collapsed = collapsed_at(scale)
 
     def _check_skipped(self, epoch: int, skipped: Any) -> None:
         if skipped is None or not self._epoch_steps:

@@ -9,12 +9,18 @@ logs carry `loss_scale`, `grad_norm` and `skipped_steps`.
 from __future__ import annotations
 
 import logging
+import numbers
 import warnings
 from typing import Any
 
+import numpy as np
+
 from mp_callbacks._backend import keras, tf
+from mp_callbacks._keras_internals import LossScaleSaveable, functional_class
+from mp_callbacks._validation import check_real, fail
 from mp_callbacks.errors import MixedPrecisionWarning
 from mp_callbacks.loss_scale import DynamicLossScale
+from mp_callbacks.model_checks import check_model
 
 __all__ = ["MixedPrecisionModel", "LOG_KEYS"]
 
@@ -39,34 +45,29 @@ def _global_norm_float32(grads: list[Any]) -> tf.Tensor:
     return tf.sqrt(tf.add_n(squares))
 
 
-def _make_loss_scale(value: Any) -> DynamicLossScale | None:
+def _make_loss_scale(value: Any, owner: str = "MixedPrecisionModel") -> DynamicLossScale | None:
     """Turns a `loss_scale` argument into a DynamicLossScale (None: "auto")."""
+    requirement = (
+        "'auto', a DynamicLossScale, a positive number (fixed scale) or None "
+        "(no scaling)"
+    )
     if isinstance(value, str):
         if value != _AUTO:
-            raise ValueError(
-                "MixedPrecisionModel: `loss_scale` must be 'auto', a "
-                "DynamicLossScale, a positive float (fixed scale) or None (no "
-                f"scaling); received loss_scale={value!r}."
-            )
+            fail(owner, "loss_scale", value, requirement)
         return None
     if value is None:
         return DynamicLossScale.disabled()
     if isinstance(value, DynamicLossScale):
         return value
-    if isinstance(value, dict):
+    if isinstance(value, dict) and value:
         return keras.saving.deserialize_keras_object(value)
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if not value > 0:
-            raise ValueError(
-                "MixedPrecisionModel: a fixed `loss_scale` must be > 0; "
-                f"received loss_scale={value!r}."
-            )
-        return DynamicLossScale.fixed(float(value))
-    raise TypeError(
-        "MixedPrecisionModel: `loss_scale` must be 'auto', a DynamicLossScale, "
-        "a positive float or None; received "
-        f"loss_scale={value!r} of type {type(value).__name__}."
-    )
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+        scale = check_real(
+            owner, "loss_scale", value, low=0.0, low_inclusive=False, float32=True,
+            requirement="a finite number > 0 when it is a fixed scale",
+        )
+        return DynamicLossScale.fixed(scale)
+    fail(owner, "loss_scale", value, requirement, TypeError)
 
 
 _FUNCTIONAL_VARIANTS: dict[type, type] = {}
@@ -90,7 +91,7 @@ def _functional_variant(cls: type) -> type:
     later subclass with its own `call`. A separate class per use keeps
     both ways of building a model working side by side.
     """
-    from keras.src.models.functional import Functional
+    Functional = functional_class()
 
     variant = _FUNCTIONAL_VARIANTS.get(cls)
     if variant is None:
@@ -188,9 +189,7 @@ class MixedPrecisionModel(keras.Model):
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "MixedPrecisionModel":
-        from keras.src.models.functional import Functional
-
-        if _is_functional_call(args, kwargs) and not issubclass(cls, Functional):
+        if _is_functional_call(args, kwargs) and not issubclass(cls, functional_class()):
             cls = _functional_variant(cls)
         return super().__new__(cls, *args, **kwargs)
 
@@ -305,7 +304,7 @@ class MixedPrecisionModel(keras.Model):
         optimizer = keras.optimizers.get(optimizer)
         adopted = None
         if isinstance(optimizer, LossScaleOptimizer):
-            adopted = optimizer.loss_scale
+            adopted = optimizer.dynamic_loss_scale
             optimizer = optimizer.inner_optimizer
         elif isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             adopted = DynamicLossScale(
@@ -342,8 +341,6 @@ class MixedPrecisionModel(keras.Model):
     def _warn_about_findings(self) -> None:
         if self._checked_model:
             return
-        from mp_callbacks.model_checks import check_model
-
         self._checked_model = True
         findings = check_model(self)
         if findings:
@@ -373,6 +370,11 @@ class MixedPrecisionModel(keras.Model):
         loss_scale = self._loss_scale
         num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
 
+        # The forward pass updates some state itself (BatchNormalization's
+        # moving statistics, RNG seeds): read it first, so that a skipped
+        # step can put it back. Reads are free until a write copies.
+        forward_state = self.non_trainable_variables
+        state_before = [tf.identity(v.value) for v in forward_state]
         with tf.GradientTape() as tape:
             if self._call_has_training_arg:
                 y_pred = self(x, training=True)
@@ -397,12 +399,15 @@ class MixedPrecisionModel(keras.Model):
             applied = tf.constant(False)
             grad_norm = tf.constant(0.0)
         else:
-            grads = loss_scale.unscale(tape.gradient(scaled_loss, variables))
-            grad_norm = _global_norm_float32(grads)
+            grads = loss_scale.unscale(tape.gradient(scaled_loss, variables), variables)
+            grad_norm = _global_norm_float32(
+                [g for g, v in zip(grads, variables) if not getattr(v, "overwrite_with_gradient", False)]
+            )
             if num_replicas > 1:
                 grad_norm = grad_norm * num_replicas
             applied = loss_scale.apply_gradients(
-                self.optimizer, grads, variables, loss=loss
+                self.optimizer, grads, variables, loss=loss,
+                restore_on_skip=list(zip(forward_state, state_before)),
             )
         signals = self._epoch_signals
         signals.grad_norm.update_state(
@@ -454,15 +459,43 @@ class MixedPrecisionModel(keras.Model):
             )
         return config
 
-    def save_own_variables(self, store: Any) -> None:
-        super().save_own_variables(store)
-        if self._loss_scale is not None:
-            self._loss_scale.save_to_store(store)
+    @property
+    def _loss_scale_state(self) -> LossScaleSaveable:
+        # Keras's saver finds this attribute and stores the loss scale under
+        # its own path, apart from the model's variables, so that a plain
+        # keras.Model with the same layers loads these weights (serving).
+        saveable = self.__dict__.get("_mp_loss_scale_saveable")
+        if saveable is None or saveable._get_loss_scale() is not self._loss_scale:
+            saveable = LossScaleSaveable(lambda: self._loss_scale)
+            self.__dict__["_mp_loss_scale_saveable"] = saveable
+        return saveable
 
     def load_own_variables(self, store: Any) -> None:
-        prefix = DynamicLossScale.STORE_PREFIX
-        super().load_own_variables(
-            {k: store[k] for k in store.keys() if not k.startswith(prefix)}
-        )
-        if self._loss_scale is not None:
-            self._loss_scale.load_from_store(store)
+        # Weights written by earlier releases kept the loss scale among the
+        # model's own entries, under this prefix.
+        prefix = "mp_loss_scale."
+        keys = list(store.keys())
+        legacy = {k[len(prefix):]: store[k] for k in keys if k.startswith(prefix)}
+        super().load_own_variables({k: store[k] for k in keys if not k.startswith(prefix)})
+        if legacy and self._loss_scale is not None:
+            self._loss_scale.set_state(legacy)
+
+    def load_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
+        """As `keras.Model.load_weights`, but all or nothing: if loading
+        fails (another architecture, a corrupted loss scale), the model's
+        weights, optimizer state and loss-scale state are left as they were
+        and the error is raised."""
+        variables = list(self.variables)
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None:
+            variables += [v for v in optimizer.variables if all(v is not w for w in variables)]
+        saved_values = [v.numpy() for v in variables]
+        saved_state = self._loss_scale.get_state() if self._loss_scale is not None else None
+        try:
+            super().load_weights(filepath, *args, **kwargs)
+        except BaseException:
+            for variable, value in zip(variables, saved_values):
+                variable.assign(value)
+            if saved_state is not None:
+                self._loss_scale.set_state(saved_state)
+            raise

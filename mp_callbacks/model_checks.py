@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mp_callbacks._backend import keras
+from mp_callbacks._loss_scale_source import LossScaleSource
 
 __all__ = ["Finding", "check_model"]
 
@@ -166,16 +167,10 @@ def check_model(model: keras.Model) -> list[Finding]:
             ))
 
     if any(_compute_dtype(layer) == "float16" for layer in low_precision):
-        from mp_callbacks.model import MixedPrecisionModel
-
-        if isinstance(model, MixedPrecisionModel):
-            scale = model.loss_scale
-            missing = scale is not None and not scale.scaling_active
-        else:
-            optimizer = getattr(model, "optimizer", None)
-            missing = optimizer is not None and not isinstance(
-                optimizer, keras.optimizers.LossScaleOptimizer
-            )
+        source = LossScaleSource.of(model)
+        # An uncompiled model has not chosen its loss scale yet.
+        compiled = getattr(model, "optimizer", None) is not None or source.loss_scale is not None
+        missing = compiled and not source.active
         if missing:
             findings.append(Finding(
                 model.name, "missing_loss_scale",

@@ -11,6 +11,8 @@ from typing import Any
 
 from mp_callbacks._backend import keras
 from mp_callbacks._callback_support import ConfigCopyMixin
+from mp_callbacks._loss_scale_source import LossScaleSource
+from mp_callbacks._validation import check_choice, check_int
 from mp_callbacks.errors import MixedPrecisionWarning, NonFiniteGradientError
 
 __all__ = ["NaNGradientMonitor"]
@@ -76,20 +78,9 @@ class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
 
     def __init__(self, patience: int = 1, action: str = "stop", check_every: int = 200) -> None:
         super().__init__()
-        if not isinstance(patience, int) or isinstance(patience, bool) or patience < 1:
-            raise ValueError(
-                f"NaNGradientMonitor: `patience` must be an integer >= 1; received patience={patience!r}."
-            )
-        if action not in _ACTIONS:
-            raise ValueError(
-                f"NaNGradientMonitor: `action` must be one of {', '.join(map(repr, _ACTIONS))}; "
-                f"received action={action!r}."
-            )
-        if not isinstance(check_every, int) or isinstance(check_every, bool) or check_every < 1:
-            raise ValueError(
-                "NaNGradientMonitor: `check_every` must be an integer >= 1; "
-                f"received check_every={check_every!r}."
-            )
+        patience = check_int("NaNGradientMonitor", "patience", patience, low=1)
+        action = check_choice("NaNGradientMonitor", "action", action, _ACTIONS)
+        check_every = check_int("NaNGradientMonitor", "check_every", check_every, low=1)
         self.patience = patience
         self.action = action
         self.check_every = check_every
@@ -116,20 +107,19 @@ class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
 
     # ------------------------------------------------------------- hooks
     def on_train_begin(self, logs=None):
-        from mp_callbacks.model import MixedPrecisionModel
-
         self._reset_progress()
         self.error = None
-        self._loss_scale = (
-            self.model.loss_scale if isinstance(self.model, MixedPrecisionModel) else None
-        )
+        self._loss_scale = LossScaleSource.of(self.model).loss_scale
         if self._loss_scale is not None:
+            # A new fit judges only its own steps: a divergence that stopped
+            # an earlier fit must not be reported again on clean data.
+            self._loss_scale.reset_divergence_latches()
             self._last_state = self._loss_scale.diagnostics()
             self._last_counts = self._loss_scale.nonfinite_gradient_counts()
-            self._loss_scale.reset_max_divergent_run()
         else:
             logger.info(
-                "NaNGradientMonitor: %r is not a MixedPrecisionModel; only the loss is watched.",
+                "NaNGradientMonitor: %r does not train through a DynamicLossScale; "
+                "only the loss is watched.",
                 self.model.name,
             )
 
@@ -146,7 +136,8 @@ class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         logs = logs if logs is not None else {}
         step = self._steps_before_epoch + self._epoch_steps
-        self._check(step, logs)
+        if step != self._last_check_step or not self._last_state:
+            self._check(step, logs)
         self._steps_before_epoch = step
         if self._loss_scale is not None:
             logs["nonfinite_steps"] = float(
@@ -167,23 +158,23 @@ class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
             return
         state = self._loss_scale.diagnostics()
         counts = self._loss_scale.nonfinite_gradient_counts()
-        new_skips = state["skipped_steps"] - self._last_state.get("skipped_steps", 0)
+        last = self._last_state
+        new_skips = state["skipped_steps"] - last.get("skipped_steps", 0)
+        new_loss_failures = state["nonfinite_loss_steps"] - last.get("nonfinite_loss_steps", 0)
+        new_divergent = state["divergent_steps"] - last.get("divergent_steps", 0)
         culprits = [
             path for path, count in counts.items() if count > self._last_counts.get(path, 0)
         ]
-        diverged = state["max_divergent_run"] >= self.patience
-        new_loss_failures = state["nonfinite_loss_steps"] - self._last_state.get(
-            "nonfinite_loss_steps", 0
-        )
-        new_divergent = state["divergent_steps"] - self._last_state.get("divergent_steps", 0)
+        # Only divergent steps since the last check count: the latch alone
+        # would report a run that ended (or was reported) before.
+        diverged = new_divergent > 0 and state["max_divergent_run"] >= self.patience
         self.nonfinite_steps += new_skips
         self.handled_steps += max(new_skips - new_divergent, 0)
-        if not diverged:
-            if new_skips:
-                logger.debug(
-                    "NaNGradientMonitor: %d overflowing step(s) skipped by step %d; "
-                    "loss scale now %g.", new_skips, step, state["scale"],
-                )
+        if new_skips and not diverged:
+            logger.debug(
+                "NaNGradientMonitor: %d overflowing step(s) skipped by step %d; "
+                "loss scale now %g.", new_skips, step, state["scale"],
+            )
         self._last_state, self._last_counts = state, counts
         self._loss_scale.reset_max_divergent_run()
         if diverged:

@@ -399,3 +399,22 @@ def test_subclassed_model_saves_and_loads_with_its_scale(tmp_path):
     assert loaded.get_loss_scale() == 256.0
     assert loaded.loss_scale.get_config() == net.loss_scale.get_config()
     np.testing.assert_allclose(loaded.predict(x, verbose=0), net.predict(x, verbose=0))
+
+
+def test_training_loss_under_mirrored_strategy_matches_stock_keras(two_cpu_strategy):
+    # Keras divides each replica's loss by the replica count; the loss log
+    # must undo that exactly as stock Keras does.
+    x, y = classification_data(n=64)
+    histories = []
+    for cls in (keras.Model, mp.MixedPrecisionModel):
+        with two_cpu_strategy.scope():
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((6,))
+            hidden = keras.layers.Dense(4, activation="relu")(inputs)
+            outputs = keras.layers.Dense(3, activation="softmax")(hidden)
+            model = cls(inputs, outputs)
+            model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
+        histories.append(model.fit(x, y, epochs=2, batch_size=16, shuffle=False, verbose=0).history)
+    stock, ours = histories
+    np.testing.assert_allclose(ours["loss"], stock["loss"], rtol=1e-5)
+    assert ours["loss"][0] > 0.5  # a real cross-entropy, not a replica share of it

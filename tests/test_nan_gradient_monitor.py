@@ -94,3 +94,21 @@ def test_stock_model_watches_the_loss():
 def test_bad_arguments_are_named(kwargs, name):
     with pytest.raises(ValueError, match=f"`{name}`.*{name}="):
         mp.NaNGradientMonitor(**kwargs)
+
+
+def test_origin_is_the_culprit_nearest_the_loss_when_several_are_bad():
+    from helpers import NaNGradientDense
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    hidden = NaNGradientDense(4, name="early")(inputs)
+    hidden = keras.layers.Dense(4, name="middle")(hidden)
+    hidden = NaNGradientDense(4, name="late")(hidden)
+    outputs = keras.layers.Dense(3, name="head")(hidden)
+    model = mp.MixedPrecisionModel(inputs, outputs, loss_scale=None)
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = classification_data(n=16)
+    monitor = mp.NaNGradientMonitor(patience=1, action="stop", check_every=1)
+    model.fit(x, y, batch_size=8, verbose=0, callbacks=[monitor])
+    assert monitor.error.variables == ["early/kernel", "late/kernel"]
+    assert monitor.error.origin == "late"

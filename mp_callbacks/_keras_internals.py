@@ -1,0 +1,150 @@
+"""Every private Keras internal that mp_callbacks relies on, in one place.
+
+Keras 3 does not promise these names; each is listed in `INTERNALS` with
+the Keras versions it was checked on, and `tests/test_keras_internals.py`
+checks every one, so that a Keras release that renames or changes one
+breaks a test here rather than a user's training run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+from mp_callbacks._backend import keras
+
+__all__ = ["INTERNALS", "LossScaleSaveable", "functional_class", "missing_internals"]
+
+#: Keras versions on which every entry below was checked (CI tests the
+#: oldest and the newest).
+CHECKED_ON = ("3.10.0", "3.15.1")
+
+
+class Internal(NamedTuple):
+    name: str
+    used_by: str
+    present: Callable[[], bool]
+
+
+def functional_class() -> type:
+    """keras.src.models.functional.Functional: a functional MixedPrecisionModel
+    mixes it in, as keras.Model does for its own subclasses."""
+    from keras.src.models.functional import Functional
+
+    return Functional
+
+
+def keras_saveable_class() -> type:
+    from keras.src.saving.keras_saveable import KerasSaveable
+
+    return KerasSaveable
+
+
+def _has(obj: Any, *names: str) -> bool:
+    return all(hasattr(obj, name) for name in names)
+
+
+def _model_private_api() -> bool:
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    tracker = getattr(model, "_loss_tracker", None)
+    return (
+        _has(model, "_compute_loss", "_call_has_training_arg", "_maybe_symbolic_build")
+        and tracker is not None
+        and _has(tracker, "count", "update_state")
+    )
+
+
+def _layer_graph() -> bool:
+    inputs = keras.Input((2,))
+    outputs = keras.layers.Dense(1)(inputs)
+    history = getattr(outputs, "_keras_history", None)
+    if history is None:
+        return False
+    layer = history[0]
+    nodes = getattr(layer, "_inbound_nodes", None)
+    return bool(nodes) and _has(nodes[0], "input_tensors")
+
+
+def _saving_lib_walk() -> bool:
+    from keras.src.saving import saving_lib
+
+    return _has(saving_lib, "_walk_saveable", "_load_state", "_save_state")
+
+
+def _object_registration() -> bool:
+    from keras.src.saving import object_registration
+
+    return hasattr(object_registration, "GLOBAL_CUSTOM_NAMES")
+
+
+INTERNALS = (
+    Internal("keras.src.models.functional.Functional", "model.py (functional MixedPrecisionModel)",
+             lambda: isinstance(functional_class(), type)),
+    Internal("keras.src.saving.object_registration.GLOBAL_CUSTOM_NAMES",
+             "model.py (functional variant serializes under the user's name)", _object_registration),
+    Internal("keras.src.saving.keras_saveable.KerasSaveable",
+             "_keras_internals.LossScaleSaveable (loss scale in weights files)",
+             lambda: _has(keras_saveable_class(), "_obj_type")),
+    Internal("keras.src.saving.saving_lib walk of KerasSaveable attributes",
+             "LossScaleSaveable is found as a model attribute", _saving_lib_walk),
+    Internal("Model._compute_loss, _loss_tracker(count), _call_has_training_arg, _maybe_symbolic_build",
+             "model.py train_step; epoch_timer.py sample count", _model_private_api),
+    Internal("KerasTensor._keras_history, Layer._inbound_nodes[].input_tensors",
+             "model_checks.py (walking the layer graph)", _layer_graph),
+)
+
+
+def missing_internals() -> list[str]:
+    """Names of the internals this Keras no longer has (empty when all are)."""
+    missing = []
+    for internal in INTERNALS:
+        try:
+            ok = internal.present()
+        except Exception:  # any failure means the internal changed
+            ok = False
+        if not ok:
+            missing.append(f"{internal.name} (used by {internal.used_by})")
+    return missing
+
+
+class LossScaleSaveable(keras_saveable_class()):
+    """The loss-scale state as a child of a model in Keras weights files.
+
+    Kept apart from the model's own variables so that weights saved by a
+    `MixedPrecisionModel` load into the same layers built as a plain
+    `keras.Model` (which ignores this entry), e.g. for serving without
+    mp_callbacks. The loss scale is looked up through a function rather
+    than held as an attribute: Keras's saver walks every attribute, and the
+    model must not be reached from here again.
+    """
+
+    def __init__(self, get_loss_scale: Callable[[], Any]) -> None:
+        self._get_loss_scale = get_loss_scale
+
+    def _obj_type(self) -> str:
+        return "Operation"  # one Keras knows; only its attribute skip-list is used
+
+    def save_own_variables(self, store: Any) -> None:
+        loss_scale = self._get_loss_scale()
+        if loss_scale is not None:
+            for key, value in loss_scale.get_state().items():
+                store[key] = value
+
+    def load_own_variables(self, store: Any) -> None:
+        loss_scale = self._get_loss_scale()
+        keys = list(store.keys())
+        if loss_scale is not None and keys:
+            loss_scale.set_state({key: store[key] for key in keys})
+
+    def __deepcopy__(self, memo: dict) -> "LossScaleSaveable":
+        # A copied model makes its own (see MixedPrecisionModel); this one
+        # points at the original's loss scale.
+        return LossScaleSaveable(lambda: None)
+
+    def __reduce__(self):
+        # KerasSaveable would pickle this as a whole model.
+        return (LossScaleSaveable, (_no_loss_scale,))
+
+
+def _no_loss_scale() -> None:
+    return None

@@ -1,0 +1,92 @@
+"""The one answer to "which loss scale does this model use?".
+
+The callbacks and `check_model` all ask it; keeping the answer here (by
+duck typing, not by importing the model class) keeps `model.py` and its
+users free of import cycles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mp_callbacks._backend import keras
+from mp_callbacks.loss_scale import DynamicLossScale
+
+__all__ = ["LossScaleSource", "read_variable"]
+
+
+def read_variable(variable: Any) -> Any:
+    """A Keras or TensorFlow variable's value as NumPy, without going
+    through `__array__` (which NumPy 2 warns about for variables)."""
+    value = getattr(variable, "value", variable)
+    return value.numpy() if hasattr(value, "numpy") else variable.numpy()
+
+
+@dataclass
+class LossScaleSource:
+    """Where a model's loss scale lives.
+
+    Attributes:
+        kind: `"mp"` (a `DynamicLossScale`: a `MixedPrecisionModel`, or a
+            stock model compiled with `mp_callbacks.LossScaleOptimizer`),
+            `"keras"` (Keras's own `LossScaleOptimizer`) or `"none"`.
+        loss_scale: the `DynamicLossScale` driving the steps, also when it
+            does not scale (it still counts and skips non-finite steps).
+        optimizer: Keras's `LossScaleOptimizer` for kind `"keras"`.
+    """
+
+    kind: str
+    loss_scale: DynamicLossScale | None = None
+    optimizer: Any = None
+
+    @classmethod
+    def of(cls, model: Any) -> "LossScaleSource":
+        loss_scale = getattr(model, "loss_scale", None)
+        if not isinstance(loss_scale, DynamicLossScale):
+            loss_scale = getattr(getattr(model, "optimizer", None), "dynamic_loss_scale", None)
+        if isinstance(loss_scale, DynamicLossScale):
+            return cls("mp" if loss_scale.scaling_active else "none", loss_scale=loss_scale)
+        optimizer = getattr(model, "optimizer", None)
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            return cls("keras", optimizer=optimizer)
+        return cls("none")
+
+    @property
+    def active(self) -> bool:
+        """True when the loss is multiplied by a scale."""
+        return self.kind != "none"
+
+    @property
+    def dynamic(self) -> bool:
+        """True when the scale can move (so it can collapse)."""
+        if self.kind == "mp":
+            return self.loss_scale.is_dynamic
+        return self.kind == "keras"
+
+    @property
+    def min_scale(self) -> float:
+        if self.kind == "mp":
+            return self.loss_scale.min_scale
+        return 1.0  # Keras's LossScaleOptimizer has no floor; below 1 is collapse
+
+    def read_scale(self) -> float:
+        """One host read of the current scale (1.0 when not scaling)."""
+        if self.kind == "mp":
+            return self.loss_scale.get_scale()
+        if self.kind == "keras":
+            if not self.optimizer.built:
+                return float(self.optimizer.initial_scale)
+            return float(read_variable(self.optimizer.dynamic_scale))
+        return 1.0
+
+    def read_lowest_scale(self) -> float:
+        """The lowest scale since the last call (restarting the latch), so
+        that a collapse between two reads is not missed; for Keras's
+        optimizer, which keeps no such latch, the current scale."""
+        if self.kind == "mp":
+            state = self.loss_scale.diagnostics()
+            lowest = min(state["lowest_scale"], state["scale"])
+            self.loss_scale.reset_lowest_scale()
+            return lowest
+        return self.read_scale()

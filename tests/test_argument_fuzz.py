@@ -1,0 +1,147 @@
+"""Every public constructor argument, fuzzed: wrong types, NaN, +-inf, 0,
+negatives, huge values, NumPy scalars. A refused value raises ValueError or
+TypeError at construction, naming the argument; an accepted one trains."""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mp_callbacks as mp
+
+odd_values = st.one_of(
+    st.booleans(),
+    st.none(),
+    st.sampled_from(["", "auto", "no", "8", "stop"]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0, 0.0, -1, -0.5, 1, 2, 0.5, 1e-50, 2.0**-130, 1e39, 2.0**128, 2**63, 2**63 - 1, -(2**63)]),
+    st.integers(-(2**70), 2**70),
+    st.builds(np.float32, st.floats(width=32, allow_nan=True, allow_infinity=True)),
+    st.builds(np.int64, st.integers(-(2**63), 2**63 - 1)),
+    st.builds(np.bool_, st.booleans()),
+    st.just([]),
+    st.just({}),
+)
+
+FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+def _refused_well(error: Exception, argument: str) -> None:
+    assert isinstance(error, (ValueError, TypeError)), repr(error)
+    assert argument in str(error), str(error)
+
+
+def _construct(factory, argument, value):
+    try:
+        return factory(**{argument: value})
+    except (ValueError, TypeError) as error:
+        _refused_well(error, argument)
+        return None
+
+
+@pytest.fixture(scope="module")
+def eager_model():
+    """A compiled MixedPrecisionModel trained eagerly: no trace per fit."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    outputs = keras.layers.Dense(2, name="head")(inputs)
+    model = mp.MixedPrecisionModel(inputs, outputs)
+    model.compile(keras.optimizers.SGD(0.01), "mse", run_eagerly=True)
+    return model
+
+
+def _fit(model, callback):
+    x = np.ones((8, 3), "float32")
+    before = [w.copy() for w in model.get_weights()]
+    history = model.fit(x, np.zeros((8, 2), "float32"), batch_size=4, epochs=1, verbose=0,
+                        callbacks=[callback])
+    assert math.isfinite(history.history["loss"][0])
+    assert any(not np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+
+
+DYNAMIC_ARGS = ["initial_scale", "growth_interval", "growth_factor", "backoff_factor",
+                "min_scale", "max_scale", "hysteresis"]
+
+
+@pytest.mark.parametrize("argument", DYNAMIC_ARGS)
+@FUZZ
+@given(value=odd_values)
+def test_dynamic_loss_scale_arguments(argument, value):
+    loss_scale = _construct(mp.DynamicLossScale, argument, value)
+    if loss_scale is None:
+        return
+    variable = tf.Variable([1.0, 2.0])
+    optimizer = keras.optimizers.SGD(0.1)
+    for finite in (True, False, True, True):
+        grad = tf.constant([1.0, 1.0]) if finite else tf.constant([np.inf, 1.0])
+        applied = loss_scale.apply_gradients(optimizer, [grad], [variable])
+        assert bool(applied) == finite
+        scale = loss_scale.get_scale()
+        assert math.isfinite(scale) and scale > 0
+    assert np.allclose(variable.numpy(), [0.7, 1.7])
+
+
+@pytest.mark.parametrize("argument", ["initial_scale", "dynamic_growth_steps", "loss_scale",
+                                      "dynamic", "hysteresis", "min_scale"])
+@FUZZ
+@given(value=odd_values)
+def test_loss_scale_optimizer_arguments(argument, value):
+    optimizer = _construct(lambda **kw: mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), **kw),
+                           argument, value)
+    if optimizer is None:
+        return
+    variable = tf.Variable([1.0])
+    optimizer.apply([tf.constant([1.0])], [variable])
+    assert np.allclose(variable.numpy(), [0.9])
+    assert math.isfinite(optimizer.get_scale()) and optimizer.get_scale() > 0
+
+
+@FUZZ
+@given(value=odd_values)
+def test_model_loss_scale_argument(value):
+    inputs = keras.Input((3,))
+    outputs = keras.layers.Dense(2)(inputs)
+    model = _construct(lambda **kw: mp.MixedPrecisionModel(inputs, outputs, **kw), "loss_scale", value)
+    if model is None:
+        return
+    model.compile(keras.optimizers.SGD(0.01), "mse", run_eagerly=True)
+    _fit(model, keras.callbacks.Callback())
+    assert math.isfinite(model.get_loss_scale()) and model.get_loss_scale() > 0
+
+
+CALLBACK_ARGS = [
+    (mp.LossScaleMonitor, "every_n_steps"),
+    (mp.LossScaleMonitor, "collapse_threshold"),
+    (mp.LossScaleMonitor, "max_skipped_fraction"),
+    (mp.NaNGradientMonitor, "patience"),
+    (mp.NaNGradientMonitor, "action"),
+    (mp.NaNGradientMonitor, "check_every"),
+    (mp.EpochTimer, "time_validation"),
+    (mp.EpochTimer, "batch_size"),
+]
+
+
+@pytest.mark.parametrize("cls, argument", CALLBACK_ARGS, ids=lambda p: getattr(p, "__name__", p))
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(value=odd_values)
+def test_callback_arguments(eager_model, cls, argument, value):
+    callback = _construct(cls, argument, value)
+    if callback is None:
+        return
+    _fit(eager_model, callback)
+
+
+def test_strings_and_bools_are_not_flags_or_numbers():
+    with pytest.raises(TypeError, match="time_validation"):
+        mp.EpochTimer(time_validation="no")
+    with pytest.raises(TypeError, match="collapse_threshold"):
+        mp.LossScaleMonitor(collapse_threshold=True)
+    with pytest.raises(TypeError, match="max_skipped_fraction"):
+        mp.LossScaleMonitor(max_skipped_fraction=False)
+    assert mp.LossScaleMonitor(collapse_threshold=np.float32(2.0)).collapse_threshold == 2.0
