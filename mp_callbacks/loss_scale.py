@@ -210,6 +210,8 @@ class DynamicLossScale(tf.Module):
         self._nonfinite_counts = None
         self._variable_paths: list[str] = []
         self._variable_ids: tuple[int, ...] = ()
+        # Steps of several optimizers awaiting one update() (trace-time list).
+        self._pending: list[tuple[list[Any], tf.Tensor]] = []
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -273,7 +275,7 @@ class DynamicLossScale(tf.Module):
         """
         variables = list(variables)
         ids = tuple(id(v) for v in variables)
-        if self.built and ids == self._variable_ids:
+        if self.built and (ids == self._variable_ids or set(ids) <= set(self._variable_ids)):
             return
         with tf.init_scope(), self.name_scope:
             self._nonfinite_counts = tf.Variable(
@@ -283,6 +285,7 @@ class DynamicLossScale(tf.Module):
                 name="nonfinite_gradient_counts",
             )
         self._variable_ids = ids
+        self._built_variables = variables
         self._variable_paths = [
             getattr(v, "path", None) or v.name for v in variables
         ]
@@ -336,8 +339,18 @@ class DynamicLossScale(tf.Module):
         variables: Iterable[Any],
         loss: Any = None,
         restore_on_skip: Sequence[tuple[Any, Any]] = (),
+        update: bool = True,
     ) -> tf.Tensor:
         """Applies unscaled `grads` if all are finite; updates the state.
+
+        Several optimizers, one scale (a GAN's generator and discriminator):
+        call this once per optimizer with `update=False`, then `update()`
+        once. Each optimizer is skipped only if its own gradients are not
+        all finite (PyTorch's `GradScaler.step(optimizer)`), and the scale
+        moves once per training step: it backs off if any optimizer's
+        gradients overflowed (`GradScaler.update()`). The variables of all
+        the optimizers are counted together: `build` them all at once, or
+        let the calls do it on the first step.
 
         Args:
             optimizer: a Keras optimizer (not a `LossScaleOptimizer`).
@@ -350,6 +363,8 @@ class DynamicLossScale(tf.Module):
                 changed, such as BatchNormalization's moving statistics,
                 read before the forward pass. Nothing is assigned on an
                 applied step.
+            update: advance the state machine now (True), or leave it to
+                one `update()` call after every optimizer of the step.
 
         Returns:
             A boolean scalar tensor: True if the gradients were applied.
@@ -365,7 +380,11 @@ class DynamicLossScale(tf.Module):
                 "DynamicLossScale.apply_gradients: got "
                 f"{len(grads)} gradients for {len(variables)} variables."
             )
-        self.build(variables)
+        if self.built and not set(map(id, variables)) <= set(self._variable_ids):
+            known = {id(v) for v in self._built_variables}
+            self.build(self._built_variables + [v for v in variables if id(v) not in known])
+        else:
+            self.build(variables)
         if not optimizer.built:
             optimizer.build(variables)
 
@@ -396,7 +415,10 @@ class DynamicLossScale(tf.Module):
                 lambda: self._apply(optimizer, grads, variables),
                 lambda: self._restore(restore_variables, restore_values),
             )
-            self._update_state(flags)
+            if update:
+                self._update_state(self._full_flags(variables, flags))
+            else:
+                self._pending.append((variables, flags))
         else:
             # A cond whose branch calls optimizer.apply (which merge_calls)
             # cannot run in a replica context: decide in cross-replica context,
@@ -419,10 +441,68 @@ class DynamicLossScale(tf.Module):
                     apply_on_every_replica,
                     restore_on_every_replica,
                 )
-                self._update_state(flags)
+                if update:
+                    self._update_state(self._full_flags(variables, flags))
 
             replica_context.merge_call(decide, args=(grads, flags, restore_values))
+            if not update:
+                self._pending.append((variables, flags))
         return grads_finite
+
+    def update(self) -> None:
+        """Advances the state machine once for the steps of several
+        optimizers made with `apply_gradients(..., update=False)`.
+
+        The step counts as overflowing (skipped, backing off) if any of
+        those optimizers' gradients were non-finite, and as divergent if
+        any loss was non-finite. Call it in the same `tf.function` as those
+        calls, once per training step.
+        """
+        if not self._pending:
+            raise RuntimeError(
+                "DynamicLossScale.update() was called without a pending step: call "
+                "apply_gradients(optimizer, grads, variables, update=False) for each "
+                "optimizer first, then update() once."
+            )
+        pending, self._pending = self._pending, []
+        position = {id(v): i for i, v in enumerate(self._built_variables)}
+        per_variable = [tf.constant(0, tf.int64)] * len(position)
+        loss_flags = []
+        for variables, flags in pending:
+            for i, variable in enumerate(variables):
+                per_variable[position[id(variable)]] = tf.maximum(
+                    per_variable[position[id(variable)]], flags[i]
+                )
+            loss_flags.append(flags[-1])
+        combined = tf.stack(per_variable + [tf.reduce_max(tf.stack(loss_flags))])
+        replica_context = tf.distribute.get_replica_context()
+        if (
+            replica_context is None
+            or not tf.distribute.has_strategy()
+            or tf.__internal__.distribute.strategy_supports_no_merge_call()
+        ):
+            self._update_state(combined)
+        else:
+            replica_context.merge_call(
+                lambda distribution, flags: self._update_state(
+                    distribution.experimental_local_results(flags)[0]
+                ),
+                args=(combined,),
+            )
+
+    def _full_flags(self, variables: list[Any], flags: tf.Tensor) -> tf.Tensor:
+        """`flags` (one per variable, then the loss) laid out over every
+        built variable, when the step covered only some of them."""
+        if len(variables) == len(self._built_variables) and all(
+            a is b for a, b in zip(variables, self._built_variables)
+        ):
+            return flags
+        position = {id(v): i for i, v in enumerate(variables)}
+        zero = tf.constant(0, tf.int64)
+        return tf.stack(
+            [flags[position[id(v)]] if id(v) in position else zero for v in self._built_variables]
+            + [flags[-1]]
+        )
 
     @staticmethod
     def _apply(optimizer, grads, variables):

@@ -1,0 +1,326 @@
+"""The contracts users already know: tf.keras's LossScaleOptimizer, Keras 3
+optimizers (loss_scale_factor, float8) and PyTorch's GradScaler with
+several optimizers."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import mp_callbacks as mp
+from mp_callbacks import LossScaleOptimizer
+from helpers import NaNGradientDense, classification_data
+
+
+def _loop_step(optimizer, variable, loss_fn):
+    with tf.GradientTape() as tape:
+        loss = loss_fn()
+        scaled = optimizer.get_scaled_loss(loss)
+    grads = optimizer.get_unscaled_gradients(tape.gradient(scaled, [variable]))
+    optimizer.apply_gradients(zip(grads, [variable]))
+
+
+# ------------------------------------------------------ loss_scale_factor
+def test_inner_loss_scale_factor_is_cleared_in_a_custom_loop():
+    variable = tf.Variable(1.0)
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(1.0, loss_scale_factor=100.0))
+    assert optimizer.inner_optimizer.loss_scale_factor is None
+    _loop_step(optimizer, variable, lambda: variable * 1.0)
+    assert variable.numpy() == 0.0  # 1 - lr * 1, not 1 - lr * 1 / 100
+
+
+def test_wrapped_optimizer_with_a_factor_compiles_into_the_model_without_double_unscaling():
+    x, y = classification_data(n=8)
+    weights = []
+    for wrap in (False, True):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6,))
+        outputs = keras.layers.Dense(3)(inputs)
+        if wrap:
+            model = mp.MixedPrecisionModel(inputs, outputs)
+            model.compile(LossScaleOptimizer(keras.optimizers.SGD(0.5, loss_scale_factor=100.0)),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        else:
+            model = keras.Model(inputs, outputs)
+            model.compile(keras.optimizers.SGD(0.5),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+        weights.append(model.get_weights())
+    for stock, ours in zip(*weights):
+        np.testing.assert_allclose(ours, stock, rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------ float8
+def _float8_model(cls):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    dense = keras.layers.Dense(8, name="f8")
+    outputs = keras.layers.Dense(2, dtype="float32", name="head")(dense(inputs))
+    model = cls(inputs, outputs)
+    dense.quantize("float8")
+    return model
+
+
+def _float8_state(model):
+    return {v.path: v.numpy() for v in model.trainable_variables
+            if getattr(v, "overwrite_with_gradient", False)}
+
+
+def test_float8_state_variables_train_as_in_stock_keras():
+    keras.config.set_dtype_policy("mixed_float16")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 8)).astype("float32")
+    y = rng.normal(size=(32, 2)).astype("float32")
+    states = []
+    for cls in (keras.Model, mp.MixedPrecisionModel):
+        model = _float8_model(cls)
+        model.compile(keras.optimizers.SGD(0.01), "mse")
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+        states.append(_float8_state(model))
+    stock, ours = states
+    assert set(stock) == set(ours) and "f8/inputs_scale" in ours
+    for path in stock:
+        np.testing.assert_allclose(ours[path], stock[path], rtol=1e-3, err_msg=path)
+    assert ours["f8/inputs_scale"] > 1e-4  # never unscaled by 2**15
+
+
+def test_float8_state_passes_the_optimizer_wrapper_unscaled():
+    keras.config.set_dtype_policy("mixed_float16")
+    model = _float8_model(keras.Model)
+    loss_fn = keras.losses.MeanSquaredError()
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.01))
+    x = tf.constant(np.random.default_rng(1).normal(size=(8, 8)).astype("float32"))
+    variables = model.trainable_variables
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = loss_fn(tf.zeros((8, 2)), model(x, training=True))
+            scaled = optimizer.get_scaled_loss(loss)
+        raw = tape.gradient(scaled, variables)
+        optimizer.apply_gradients(zip(optimizer.get_unscaled_gradients(raw), variables))
+        return raw
+
+    raw = step()
+    for variable, value in zip(variables, raw):
+        if getattr(variable, "overwrite_with_gradient", False):
+            np.testing.assert_allclose(variable.numpy(), value.numpy(), rtol=1e-6, err_msg=variable.path)
+
+
+# ---------------------------------------------------------- tf.keras's API
+def test_tf_keras_signature_and_attributes():
+    fixed = LossScaleOptimizer(keras.optimizers.SGD(), dynamic=False, initial_scale=128)
+    assert fixed.dynamic is False and fixed.initial_scale == 128.0
+    assert fixed.dynamic_growth_steps is None and fixed.dynamic_counter is None
+    assert float(fixed.loss_scale) == 128.0
+    dynamic = LossScaleOptimizer(keras.optimizers.SGD(), True, 256, 3)
+    assert dynamic.dynamic is True and dynamic.initial_scale == 256.0
+    assert dynamic.dynamic_growth_steps == 3 and int(dynamic.dynamic_counter.numpy()) == 0
+    variable = tf.Variable(1.0)
+    for _ in range(2):
+        _loop_step(dynamic, variable, lambda: variable * 1.0)
+    assert int(dynamic.dynamic_counter.numpy()) == 2
+    _loop_step(dynamic, variable, lambda: variable * 1.0)
+    assert float(dynamic.loss_scale) == 512.0 and dynamic.get_scale() == 512.0
+    default = LossScaleOptimizer(keras.optimizers.SGD())
+    assert default.initial_scale == 2.0**15 and default.dynamic_growth_steps == 2000
+
+
+def test_tf_keras_errors():
+    with pytest.raises(TypeError, match="cannot wrap another LossScaleOptimizer"):
+        LossScaleOptimizer(LossScaleOptimizer(keras.optimizers.SGD()))
+    with pytest.raises(TypeError, match='"dynamic" argument to LossScaleOptimizer.__init__ must be a bool'):
+        LossScaleOptimizer(keras.optimizers.SGD(), "dynamic")
+    with pytest.raises(ValueError, match="dynamic_growth_steps"):
+        LossScaleOptimizer(keras.optimizers.SGD(), dynamic=False, initial_scale=2.0,
+                           dynamic_growth_steps=2)
+    with pytest.raises(ValueError, match="initial_scale"):
+        LossScaleOptimizer(keras.optimizers.SGD(), dynamic=False)
+    inner = keras.optimizers.SGD()
+    LossScaleOptimizer(inner)
+    with pytest.raises(ValueError, match="already wrapped"):
+        LossScaleOptimizer(inner)
+    with pytest.raises(ValueError, match="loss_scale.*initial_scale"):
+        LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=-5.0, loss_scale=mp.DynamicLossScale())
+    for bad, error in ((5, None), ("auto", ValueError), (0, ValueError), ([], TypeError), ({}, ValueError)):
+        if error is None:
+            assert LossScaleOptimizer(keras.optimizers.SGD(), loss_scale=bad).get_scale() == 5.0
+        else:
+            with pytest.raises(error, match="loss_scale"):
+                LossScaleOptimizer(keras.optimizers.SGD(), loss_scale=bad)
+
+
+def test_callable_loss_is_scaled_lazily():
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=8.0)
+    scaled = optimizer.get_scaled_loss(lambda: tf.constant(3.0))
+    assert callable(scaled) and float(scaled()) == 24.0
+
+
+def test_hyperparameters_pass_through_the_wrapper():
+    inner = keras.optimizers.SGD(0.1, momentum=0.5)
+    optimizer = LossScaleOptimizer(inner)
+    assert float(optimizer.learning_rate) == pytest.approx(0.1)
+    optimizer.learning_rate = 0.25
+    assert float(inner.learning_rate) == 0.25
+    assert optimizer.momentum == 0.5
+    optimizer.momentum = 0.75
+    assert inner.momentum == 0.75
+    assert optimizer.use_ema is False
+    optimizer.use_ema = True
+    assert inner.use_ema is True
+    optimizer.clipnorm = 1.0
+    assert inner.clipnorm == 1.0 and optimizer.clipnorm == 1.0
+
+
+def test_an_overridden_apply_gradients_is_honoured():
+    class CountingSGD(keras.optimizers.SGD):
+        calls = 0
+
+        def apply_gradients(self, grads_and_vars):
+            CountingSGD.calls += 1
+            return super().apply_gradients(grads_and_vars)
+
+    variable = tf.Variable(1.0)
+    optimizer = LossScaleOptimizer(CountingSGD(0.5))
+    _loop_step(optimizer, variable, lambda: variable * 1.0)
+    assert CountingSGD.calls == 1 and variable.numpy() == 0.5
+
+
+def test_forgotten_scaling_warns_like_tf_keras():
+    variable = tf.Variable(1.0)
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD())
+    with pytest.warns(mp.MixedPrecisionWarning,
+                      match=r"You forgot to call LossScaleOptimizer.get_scaled_loss\(\) and"):
+        optimizer.apply_gradients([(tf.constant(1.0), variable)])
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD())
+    optimizer.get_scaled_loss(tf.constant(1.0))
+    with pytest.warns(mp.MixedPrecisionWarning,
+                      match=r"You forgot to call LossScaleOptimizer.get_unscaled_gradients\(\) before"):
+        optimizer.apply_gradients([(tf.constant(1.0), variable)])
+
+
+# -------------------------------------------------------------- checkpoints
+def _trained_optimizer(wrap: bool):
+    variable = tf.Variable([1.0, 2.0])
+    inner = keras.optimizers.SGD(0.1, momentum=0.9)
+    optimizer = LossScaleOptimizer(inner, initial_scale=4.0) if wrap else inner
+    for _ in range(3):
+        if wrap:
+            _loop_step(optimizer, variable, lambda: tf.reduce_sum(variable))
+        else:
+            optimizer.apply_gradients([(tf.constant([1.0, 1.0]), variable)])
+    return optimizer, variable
+
+
+@pytest.mark.parametrize("saved_wrapped", [False, True])
+def test_checkpoints_move_between_plain_and_wrapped_optimizers(tmp_path, saved_wrapped):
+    source, variable = _trained_optimizer(saved_wrapped)
+    path = tf.train.Checkpoint(optimizer=source, v=variable).save(str(tmp_path / "ckpt"))
+    target_variable = tf.Variable([0.0, 0.0])
+    inner = keras.optimizers.SGD(0.1, momentum=0.9)
+    target = inner if saved_wrapped else LossScaleOptimizer(inner)
+    target.build([target_variable])
+    tf.train.Checkpoint(optimizer=target, v=target_variable).restore(path).expect_partial()
+    assert int(target.iterations.numpy()) == 3
+    source_slots = [v.numpy() for v in getattr(source, "inner_optimizer", source).variables]
+    target_slots = [v.numpy() for v in getattr(target, "inner_optimizer", target).variables]
+    for a, b in zip(source_slots, target_slots):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(target_variable.numpy(), variable.numpy())
+
+
+def test_wrapped_checkpoint_round_trip_keeps_the_scale(tmp_path):
+    source, variable = _trained_optimizer(True)
+    path = tf.train.Checkpoint(optimizer=source, v=variable).save(str(tmp_path / "ckpt"))
+    target = LossScaleOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), initial_scale=1024.0)
+    target.build([tf.Variable([0.0, 0.0])])
+    tf.train.Checkpoint(optimizer=target, v=tf.Variable([0.0, 0.0])).restore(path)
+    assert target.get_scale() == source.get_scale() == 4.0
+    assert int(target.iterations.numpy()) == 3
+
+
+# ------------------------------------------------ several optimizers, one scale
+class TwoOptimizerGAN(keras.Model):
+    """Keras's GAN example shape: a train_step stepping two optimizers."""
+
+    def __init__(self, generator, discriminator, loss_scale):
+        super().__init__()
+        self.generator = generator
+        self.discriminator = discriminator
+        self.shared_scale = loss_scale
+
+    def compile(self, g_optimizer, d_optimizer):
+        super().compile()
+        self.g_optimizer = g_optimizer
+        self.d_optimizer = d_optimizer
+
+    def train_step(self, real):
+        noise = tf.random.normal((tf.shape(real)[0], 3))
+        bce = keras.losses.BinaryCrossentropy(from_logits=True)
+        scale = self.shared_scale
+        with tf.GradientTape(persistent=True) as tape:
+            fake = self.generator(noise, training=True)
+            real_logits = self.discriminator(real, training=True)
+            fake_logits = self.discriminator(fake, training=True)
+            d_loss = bce(tf.ones_like(real_logits), real_logits) + bce(tf.zeros_like(fake_logits), fake_logits)
+            g_loss = bce(tf.ones_like(fake_logits), fake_logits)
+            d_scaled, g_scaled = scale.scale(d_loss), scale.scale(g_loss)
+        d_vars = self.discriminator.trainable_variables
+        g_vars = self.generator.trainable_variables
+        d_grads = scale.unscale(tape.gradient(d_scaled, d_vars))
+        g_grads = scale.unscale(tape.gradient(g_scaled, g_vars))
+        scale.apply_gradients(self.d_optimizer, d_grads, d_vars, loss=d_loss, update=False)
+        scale.apply_gradients(self.g_optimizer, g_grads, g_vars, loss=g_loss, update=False)
+        scale.update()
+        return {"d_loss": d_loss, "g_loss": g_loss}
+
+
+def _gan(poison_generator: bool, loss_scale):
+    keras.utils.set_random_seed(0)
+    hidden = (NaNGradientDense(4, name="g_poisoned") if poison_generator
+              else keras.layers.Dense(4, name="g_hidden"))
+    generator = keras.Sequential([keras.Input((3,)), hidden, keras.layers.Dense(2, name="g_out")])
+    discriminator = keras.Sequential([keras.Input((2,)), keras.layers.Dense(4, activation="relu"),
+                                      keras.layers.Dense(1)])
+    gan = TwoOptimizerGAN(generator, discriminator, loss_scale)
+    gan.compile(keras.optimizers.SGD(0.01), keras.optimizers.SGD(0.01))
+    return gan
+
+
+def test_two_optimizers_move_one_scale_once_per_step():
+    loss_scale = mp.DynamicLossScale(initial_scale=2.0, growth_interval=2, max_scale=2.0**20)
+    gan = _gan(False, loss_scale)
+    data = np.random.default_rng(0).normal(size=(32, 2)).astype("float32")
+    gan.fit(data, batch_size=4, epochs=1, verbose=0)  # 8 steps
+    state = loss_scale.diagnostics()
+    assert state["step_count"] == 8 and state["skipped_steps"] == 0
+    assert state["scale"] == 2.0 * 2**4  # one growth per 2 steps, not per 2 optimizer calls
+    assert int(gan.g_optimizer.iterations.numpy()) == 8
+    assert int(gan.d_optimizer.iterations.numpy()) == 8
+
+
+def test_an_overflow_in_one_optimizer_skips_that_optimizer_only():
+    loss_scale = mp.DynamicLossScale(initial_scale=2.0**10, min_scale=1.0)
+    gan = _gan(True, loss_scale)
+    data = np.random.default_rng(0).normal(size=(16, 2)).astype("float32")
+    g_before = [w.copy() for w in gan.generator.get_weights()]
+    d_before = [w.copy() for w in gan.discriminator.get_weights()]
+    gan.fit(data, batch_size=4, epochs=1, verbose=0)  # 4 steps
+    for a, b in zip(g_before, gan.generator.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert all(not np.array_equal(a, b) for a, b in zip(d_before, gan.discriminator.get_weights()))
+    state = loss_scale.diagnostics()
+    assert state["step_count"] == 4 and state["skipped_steps"] == 4
+    assert state["scale"] == 2.0**10 / 2**4  # backed off once per step
+    assert int(gan.g_optimizer.iterations.numpy()) == 0
+    assert int(gan.d_optimizer.iterations.numpy()) == 4
+    counts = loss_scale.nonfinite_gradient_counts()
+    assert [count for path, count in counts.items() if "g_poisoned" in path] == [4]
+    assert sum(counts.values()) == 4, counts
+
+
+def test_update_without_a_pending_step_is_an_error():
+    with pytest.raises(RuntimeError, match="update=False"):
+        mp.DynamicLossScale().update()
