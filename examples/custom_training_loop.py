@@ -1,4 +1,4 @@
-"""The seed guide's custom training loop (its section 3.4), on Keras 3.
+"""The TF 2.x mixed-precision custom training loop, on Keras 3.
 
 The loop is the guide's, unchanged but for where `LossScaleOptimizer` comes
 from: on Keras 3, `keras.mixed_precision.LossScaleOptimizer` has no

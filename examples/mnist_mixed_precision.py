@@ -1,4 +1,4 @@
-"""The seed guide's MNIST example (its section 3.5), on Keras 3.
+"""The classic mixed-precision MNIST example, on Keras 3.
 
 784-512-256-10 MLP, float32 softmax output, dtype policy set globally, and
 `MixedPrecisionModel` instead of a hand-wrapped `LossScaleOptimizer`: the

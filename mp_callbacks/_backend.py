@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib.metadata
 import os
 
-_MIN_KERAS = (3, 5)
-_MIN_TF = (2, 16)
+_MIN_KERAS = (3, 10)
+_MIN_TF = (2, 19)
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -45,7 +45,7 @@ try:
     import tensorflow as tf  # noqa: F401
 except ImportError as error:  # pragma: no cover - exercised in a bare venv only
     raise ImportError(
-        "mp_callbacks needs TensorFlow (>= 2.16) as the Keras backend, and it "
+        "mp_callbacks needs TensorFlow (>= 2.19) as the Keras backend, and it "
         "could not be imported. Install a TensorFlow build with one of the "
         "extras: `pip install \"mp_callbacks[cpu]\"` (tensorflow-cpu) or "
         "`pip install \"mp_callbacks[gpu]\"` (tensorflow[and-cuda]). "
@@ -56,7 +56,7 @@ import keras  # noqa: E402
 
 if _version_tuple(keras.__version__) < _MIN_KERAS:  # pragma: no cover
     raise ImportError(
-        f"mp_callbacks needs Keras >= 3.5; found keras {keras.__version__}. "
+        f"mp_callbacks needs Keras >= 3.10; found keras {keras.__version__}. "
         "Upgrade with `pip install -U keras`."
     )
 
@@ -65,7 +65,7 @@ if keras.backend.backend() != "tensorflow":
 
 if _version_tuple(tf.__version__) < _MIN_TF:  # pragma: no cover
     raise ImportError(
-        f"mp_callbacks needs TensorFlow >= 2.16; found {tf.__version__}."
+        f"mp_callbacks needs TensorFlow >= 2.19; found {tf.__version__}."
     )
 
 

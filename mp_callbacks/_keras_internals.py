@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
 
+import numpy as np
+
 from mp_callbacks._backend import keras
 
 __all__ = ["INTERNALS", "LossScaleSaveable", "functional_class", "missing_internals"]
@@ -37,6 +39,27 @@ def keras_saveable_class() -> type:
     from keras.src.saving.keras_saveable import KerasSaveable
 
     return KerasSaveable
+
+
+def first_batch_of_epoch_iterator(iterator: Any) -> Any:
+    """The first (possibly distributed) batch of a TF epoch iterator, as
+    `_maybe_symbolic_build` receives it: Keras 3.10 yields `(step,
+    batches)`, Keras 3.15 `(begin, end, batches)`; the batches come last.
+    None when the iterator is empty."""
+    for item in iterator:
+        return next(item[-1])
+    return None
+
+
+def _epoch_iterator() -> bool:
+    from keras.src.backend.tensorflow.trainer import TFEpochIterator
+
+    from mp_callbacks._backend import tf
+
+    iterator = TFEpochIterator(x=np.zeros((4, 1), "float32"), batch_size=2,
+                               distribute_strategy=tf.distribute.get_strategy())
+    batch = first_batch_of_epoch_iterator(iterator.enumerate_epoch())
+    return batch is not None and tuple(np.shape(batch[0] if isinstance(batch, tuple) else batch)) == (2, 1)
 
 
 def _has(obj: Any, *names: str) -> bool:
@@ -89,6 +112,8 @@ INTERNALS = (
              "LossScaleSaveable is found as a model attribute", _saving_lib_walk),
     Internal("Model._compute_loss, _loss_tracker(count), _call_has_training_arg, _maybe_symbolic_build",
              "model.py train_step; epoch_timer.py sample count", _model_private_api),
+    Internal("keras.src.backend.tensorflow.trainer.TFEpochIterator.enumerate_epoch items end with the batches",
+             "model.py _maybe_symbolic_build under MultiWorkerMirroredStrategy", _epoch_iterator),
     Internal("KerasTensor._keras_history, Layer._inbound_nodes[].input_tensors",
              "model_checks.py (walking the layer graph)", _layer_graph),
 )
@@ -122,7 +147,7 @@ class LossScaleSaveable(keras_saveable_class()):
         self._get_loss_scale = get_loss_scale
 
     def _obj_type(self) -> str:
-        return "Operation"  # one Keras knows; only its attribute skip-list is used
+        return "Layer"  # a type every Keras 3 knows; only its attribute skip-list is used
 
     def save_own_variables(self, store: Any) -> None:
         loss_scale = self._get_loss_scale()

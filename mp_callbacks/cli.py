@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="train one model under each dtype policy and compare time, memory and accuracy",
         description=(
             "Train the same model under each dtype policy, each in its own process, "
-            "with MixedPrecisionModel and the three callbacks, and print the seed "
+            "with MixedPrecisionModel and the three callbacks, and print the TensorFlow mixed-precision guide's "
             "guide's comparison table for this machine."
         ),
     )
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="policies to compare (space or comma separated); default: float32 "
                             "plus the mixed policies this hardware computes natively")
     bench.add_argument("--model", choices=("mlp", "cnn"), default=None,
-                       help="mlp: the seed's 784-512-256-10; cnn: a small conv net (default: mlp, cnn with --quick)")
+                       help="mlp: the classic MNIST 784-512-256-10 MLP; cnn: a small conv net (default: mlp, cnn with --quick)")
     bench.add_argument("--dataset", default="synthetic",
                        help="'synthetic' (built-in, offline; default), 'mnist' (Keras's loader) "
                             "or a path to an .npz with x_train, y_train, x_test, y_test")

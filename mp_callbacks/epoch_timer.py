@@ -51,7 +51,7 @@ class EpochTimer(ConfigCopyMixin, keras.callbacks.Callback):
     timer = EpochTimer(time_validation=True)
     history = model.fit(np.ones((64, 8)), np.zeros((64, 1)), batch_size=16,
                         epochs=3, validation_split=0.25, callbacks=[timer], verbose=0)
-    print(history.history["samples_per_sec"], timer.summary()["median_epoch_time"])
+    print(len(history.history["samples_per_sec"]), timer.records[-1]["samples"])  # 3 48.0
     ```
     """
 

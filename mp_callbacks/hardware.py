@@ -1,6 +1,6 @@
 """The hardware advisor: which dtype policy can this machine speed up?
 
-The seed guide asks users to check by hand that their GPU is Volta or newer,
+Mixed-precision guides ask users to check by hand that their GPU is Volta or newer,
 that it has Tensor Cores, and which CUDA/cuDNN they run. `inspect_hardware`
 does that (and looks at the CPU's bfloat16/float16 instructions, since
 mixed precision pays on modern CPUs too) and `recommend_policy` turns it

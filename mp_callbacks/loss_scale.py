@@ -38,6 +38,9 @@ from mp_callbacks._validation import FLOAT32_MAX, INT64_MAX, check_int, check_re
 __all__ = ["DynamicLossScale", "STATE_VARIABLES"]
 
 _ONLY_FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
+# The hot-path methods branch only on Python values; AutoGraph has nothing
+# to convert there, and some TensorFlow releases mis-convert them.
+_no_autograph = tf.autograph.experimental.do_not_convert
 _OWNER = "DynamicLossScale"
 
 
@@ -135,7 +138,7 @@ class DynamicLossScale(tf.Module):
             optimizer, grads, model.trainable_variables, loss=loss)
 
     applied = train_step(tf.ones((8, 4)), tf.zeros((8, 1)))
-    print(bool(applied), loss_scale.get_scale())
+    print(bool(applied), loss_scale.get_scale())  # True 1024.0
     ```
     """
 
@@ -291,10 +294,12 @@ class DynamicLossScale(tf.Module):
         ]
 
     # -------------------------------------------------------------- hot path
+    @_no_autograph
     def current_scale(self) -> tf.Tensor:
         """The current scale as a float32 tensor (no host sync)."""
         return tf.identity(self._scale)
 
+    @_no_autograph
     def scale(self, loss: Any) -> tf.Tensor:
         """Returns `loss * scale`, in the dtype of `loss`."""
         if not self.scaling_active:
@@ -302,6 +307,7 @@ class DynamicLossScale(tf.Module):
         loss = tf.convert_to_tensor(loss)
         return loss * tf.cast(self._scale, loss.dtype)
 
+    @_no_autograph
     def unscale(self, grads: Iterable[Any], variables: Iterable[Any] | None = None) -> list[Any]:
         """Divides each gradient by the scale; None gradients pass through.
 
@@ -332,6 +338,7 @@ class DynamicLossScale(tf.Module):
 
         return [unscale_one(g, keep) for g, keep in zip(grads, overwrite)]
 
+    @_no_autograph
     def apply_gradients(
         self,
         optimizer: keras.optimizers.Optimizer,
@@ -449,6 +456,7 @@ class DynamicLossScale(tf.Module):
                 self._pending.append((variables, flags))
         return grads_finite
 
+    @_no_autograph
     def update(self) -> None:
         """Advances the state machine once for the steps of several
         optimizers made with `apply_gradients(..., update=False)`.
@@ -490,6 +498,7 @@ class DynamicLossScale(tf.Module):
                 args=(combined,),
             )
 
+    @_no_autograph
     def _full_flags(self, variables: list[Any], flags: tf.Tensor) -> tf.Tensor:
         """`flags` (one per variable, then the loss) laid out over every
         built variable, when the step covered only some of them."""
@@ -515,6 +524,7 @@ class DynamicLossScale(tf.Module):
         for variable, value in zip(variables, values):
             variable.assign(value)
 
+    @_no_autograph
     def _update_state(self, flags: tf.Tensor) -> None:
         """Advances the state machine; `flags` are already all-reduced."""
         state = self._state

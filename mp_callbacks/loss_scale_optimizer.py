@@ -1,6 +1,6 @@
 """`LossScaleOptimizer`: the Keras 2 custom-loop contract on Keras 3.
 
-Every TF 2.x mixed-precision guide (the seed's section 3.4 included) teaches
+Every TF 2.x mixed-precision guide teaches, for hand-written loops,
 
     scaled_loss = optimizer.get_scaled_loss(loss)
     scaled_grads = tape.gradient(scaled_loss, variables)
@@ -286,6 +286,7 @@ class LossScaleOptimizer(keras.optimizers.Optimizer):
         super().__setattr__(name, value)
 
     # ---------------------------------------------------- the Keras 2 API
+    @tf.autograph.experimental.do_not_convert
     def get_scaled_loss(self, loss: Any) -> Any:
         """`loss` multiplied by the current scale; for a callable `loss`, a
         callable that returns the scaled loss (as in tf.keras)."""
@@ -297,11 +298,13 @@ class LossScaleOptimizer(keras.optimizers.Optimizer):
             return scaled_loss
         return self.dynamic_loss_scale.scale(loss)
 
+    @tf.autograph.experimental.do_not_convert
     def get_unscaled_gradients(self, grads: Iterable[Any]) -> list[Any]:
         """Each gradient divided by the current scale (None passes through)."""
         self._gradients_have_been_unscaled = True
         return self.dynamic_loss_scale.unscale(grads)
 
+    @tf.autograph.experimental.do_not_convert
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]], *args: Any, **kwargs: Any) -> Any:
         """Applies *unscaled* gradients if all are finite; updates the scale.
 
@@ -321,6 +324,7 @@ class LossScaleOptimizer(keras.optimizers.Optimizer):
         self.apply(grads, variables)
         return self.iterations
 
+    @tf.autograph.experimental.do_not_convert
     def apply(self, grads: Iterable[Any], trainable_variables: Iterable[Any] | None = None) -> None:
         if trainable_variables is None:
             raise ValueError(

@@ -16,7 +16,11 @@ from typing import Any
 import numpy as np
 
 from mp_callbacks._backend import keras, tf
-from mp_callbacks._keras_internals import LossScaleSaveable, functional_class
+from mp_callbacks._keras_internals import (
+    LossScaleSaveable,
+    first_batch_of_epoch_iterator,
+    functional_class,
+)
 from mp_callbacks._validation import check_real, fail
 from mp_callbacks.errors import MixedPrecisionWarning
 from mp_callbacks.loss_scale import DynamicLossScale
@@ -184,7 +188,10 @@ class MixedPrecisionModel(keras.Model):
     outputs = keras.layers.Dense(10, activation="softmax", dtype="float32")(hidden)
     model = MixedPrecisionModel(inputs, outputs)
     model.compile("adam", "sparse_categorical_crossentropy")
-    # history = model.fit(x, y)  ->  history.history["loss_scale"], ...
+    print(model.loss_scale)  # DynamicLossScale.fixed(1.0)
+    # bfloat16 has float32's range: no scaling, but non-finite steps are
+    # still skipped. history = model.fit(x, y) logs history.history[
+    # "loss_scale"], ["grad_norm"] and ["skipped_steps"].
     ```
     """
 
@@ -431,10 +438,8 @@ class MixedPrecisionModel(keras.Model):
         # only to learn its shapes and dtypes, which fails under
         # MultiWorkerMirroredStrategy; one local replica's batch has them.
         if iterator is not None and _in_multi_worker_mode(self.distribute_strategy):
-            for _, _, batches in iterator:
-                batch = next(batches)
-                break
-            else:
+            batch = first_batch_of_epoch_iterator(iterator)
+            if batch is None:
                 return None
             local = self.distribute_strategy.experimental_local_results
             data_batch = tf.nest.map_structure(

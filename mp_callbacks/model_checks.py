@@ -1,5 +1,5 @@
-"""`check_model`: the seed guide's section 3.3 (and its troubleshooting
-table) as a check that names the layer at fault."""
+"""`check_model`: the usual mixed-precision model mistakes (and their
+troubleshooting) as a check that names the layer at fault."""
 
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def check_model(model: keras.Model) -> list[Finding]:
     """Checks a model for mixed-precision mistakes; returns the findings.
 
     * a model output that is not float32 under a mixed policy (softmax
-      outputs must be float32: the seed's section 3.3);
+      outputs must be float32);
     * a softmax, sigmoid or normalization computed in float16/bfloat16 that
       feeds the loss: it produces a model output, directly or through
       pass-through layers (a float32 `Activation("linear")` cast after a

@@ -1,8 +1,8 @@
 """The two reference models of `mp-callbacks bench` and the benchmarks.
 
-`mlp` is the seed guide's 784-512-256-10 network; `cnn` a small
+`mlp` is the classic MNIST 784-512-256-10 network; `cnn` a small
 convolutional net, where mixed precision pays most. Both end in a float32
-softmax, as the seed's section 3.3 asks.
+softmax, as mixed precision requires.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def build_mlp(
     model_class: type = MixedPrecisionModel,
     **model_kwargs,
 ) -> keras.Model:
-    """The seed's MLP: Flatten, Dense 512, Dense 256, float32 softmax."""
+    """The classic MNIST MLP: Flatten, Dense 512, Dense 256, float32 softmax."""
     inputs = keras.Input(shape=input_shape, dtype="float32")
     x = keras.layers.Flatten()(inputs)
     x = keras.layers.Dense(512, activation="relu")(x)

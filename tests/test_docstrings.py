@@ -24,6 +24,6 @@ def test_docstring_example_runs(cls):
         exec(compile(example, f"<{cls.__name__} docstring>", "exec"), {})
     expected = [line.split("# ", 1)[1].strip() for line in example.splitlines()
                 if line.lstrip().startswith("print(") and "# " in line]
-    printed = output.getvalue().strip().splitlines()
-    for line, want in zip(printed, expected):
-        assert line.strip() == want
+    printed = [line.strip() for line in output.getvalue().strip().splitlines()]
+    assert expected, f"{cls.__name__}'s example documents no output"
+    assert printed == expected
