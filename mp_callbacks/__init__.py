@@ -12,14 +12,21 @@ Public API:
   hand-written loops, as in Keras 2.
 * `mp_callbacks.tuner` (needs keras-tuner): dtype policy and loss scale as
   hyperparameters.
+* `diagnose_batch(model, x, y)`: where, layer by layer, a batch overflows
+  (forward and backward), and which layers to keep in float32;
+  `with_float32_layers(model, names)` applies that advice;
+  `HeadroomMonitor`: each layer's share of its dtype's range, in the logs.
 * `recommend_policy()`, `inspect_hardware()`: which dtype policy this
   machine can speed up.
 """
 
 from mp_callbacks._backend import package_version as _package_version
+from mp_callbacks.diagnosis import PrecisionReport, diagnose_batch
 from mp_callbacks.epoch_timer import EpochTimer
+from mp_callbacks.float32_layers import with_float32_layers
 from mp_callbacks.errors import MixedPrecisionWarning, NonFiniteGradientError
 from mp_callbacks.hardware import POLICIES, inspect_hardware, recommend_policy
+from mp_callbacks.headroom_monitor import HeadroomMonitor
 from mp_callbacks.loss_scale import DynamicLossScale
 from mp_callbacks.loss_scale_monitor import LossScaleMonitor
 from mp_callbacks.loss_scale_optimizer import LossScaleOptimizer
@@ -33,6 +40,10 @@ __all__ = [
     "DynamicLossScale",
     "EpochTimer",
     "Finding",
+    "HeadroomMonitor",
+    "PrecisionReport",
+    "diagnose_batch",
+    "with_float32_layers",
     "check_model",
     "LossScaleMonitor",
     "LossScaleOptimizer",

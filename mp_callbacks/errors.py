@@ -15,11 +15,16 @@ class NonFiniteGradientError(RuntimeError):
     Attributes:
         variables: paths of the variables whose gradients were non-finite,
             in the model's forward order.
-        origin: the layer nearest the loss among them, where a non-finite
-            value is most likely born (None when no gradient was non-finite,
-            for example when only the loss was).
+        origin: the layer where non-finite values first appear: found by
+            replaying the batch of the last skipped step (`report`), the
+            forward-pass origin when the loss was not finite, else the
+            backward-pass origin; "loss" when every layer output was finite
+            but the loss was not. Without a kept batch (a stock model, or
+            under tf.distribute), the layer nearest the loss among the
+            variables with non-finite gradients.
         step: the global training step at which divergence was detected.
         scale: the loss scale at that step.
+        report: the `PrecisionReport` of the replayed batch, or None.
     """
 
     def __init__(
@@ -29,8 +34,10 @@ class NonFiniteGradientError(RuntimeError):
         origin: str | None = None,
         step: int | None = None,
         scale: float | None = None,
+        report: object | None = None,
     ) -> None:
         super().__init__(message)
+        self.report = report
         self.variables = list(variables or [])
         self.origin = origin
         self.step = step

@@ -28,12 +28,13 @@ NaN update would destroy the weights.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
 from mp_callbacks._backend import keras, tf
-from mp_callbacks._validation import FLOAT32_MAX, INT64_MAX, check_int, check_real
+from mp_callbacks._validation import FLOAT32_MAX, INT64_MAX, check_int, check_real, fail
 
 __all__ = ["DynamicLossScale", "STATE_VARIABLES"]
 
@@ -686,3 +687,35 @@ class DynamicLossScale(tf.Module):
             updates.append((variable, tf.convert_to_tensor(value, variable.dtype)))
         for variable, value in updates:
             variable.assign(value)
+
+
+AUTO = "auto"
+
+
+def loss_scale_from_argument(value: Any, owner: str = "MixedPrecisionModel") -> DynamicLossScale | None:
+    """Turns a `loss_scale` argument into a DynamicLossScale.
+
+    Accepts "auto" (returns None: the model decides at compile), None (no
+    scaling), a DynamicLossScale, its config dict, or a positive number (a
+    fixed scale); anything else raises naming `loss_scale` and `owner`."""
+    requirement = (
+        "'auto', a DynamicLossScale, a positive number (fixed scale) or None "
+        "(no scaling)"
+    )
+    if isinstance(value, str):
+        if value != AUTO:
+            fail(owner, "loss_scale", value, requirement)
+        return None
+    if value is None:
+        return DynamicLossScale.disabled()
+    if isinstance(value, DynamicLossScale):
+        return value
+    if isinstance(value, dict) and value:
+        return keras.saving.deserialize_keras_object(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+        scale = check_real(
+            owner, "loss_scale", value, low=0.0, low_inclusive=False, float32=True,
+            requirement="a finite number > 0 when it is a fixed scale",
+        )
+        return DynamicLossScale.fixed(scale)
+    fail(owner, "loss_scale", value, requirement, TypeError)

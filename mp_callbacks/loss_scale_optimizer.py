@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable
 from mp_callbacks._backend import keras, tf
 from mp_callbacks._validation import check_int, fail
 from mp_callbacks.errors import MixedPrecisionWarning
-from mp_callbacks.loss_scale import DynamicLossScale
+from mp_callbacks.loss_scale import DynamicLossScale, loss_scale_from_argument
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -446,12 +446,10 @@ class LossScaleOptimizer(keras.optimizers.Optimizer):
 
 
 def _loss_scale_from_argument(value: Any) -> DynamicLossScale:
-    from mp_callbacks.model import _make_loss_scale
-
     if isinstance(value, str) or (isinstance(value, dict) and not value):
         fail(_OWNER, "loss_scale", value,
              "a DynamicLossScale, its config dict, or a positive number (fixed scale)",
              ValueError if isinstance(value, (str, dict)) else TypeError)
     if isinstance(value, dict):
         return DynamicLossScale.from_config(value)
-    return _make_loss_scale(value, owner=_OWNER)
+    return loss_scale_from_argument(value, owner=_OWNER)

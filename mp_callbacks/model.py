@@ -9,11 +9,9 @@ logs carry `loss_scale`, `grad_norm` and `skipped_steps`.
 from __future__ import annotations
 
 import logging
-import numbers
 import warnings
 from typing import Any
 
-import numpy as np
 
 from mp_callbacks._backend import keras, tf
 from mp_callbacks._keras_internals import (
@@ -21,9 +19,8 @@ from mp_callbacks._keras_internals import (
     first_batch_of_epoch_iterator,
     functional_class,
 )
-from mp_callbacks._validation import check_real, fail
 from mp_callbacks.errors import MixedPrecisionWarning
-from mp_callbacks.loss_scale import DynamicLossScale
+from mp_callbacks.loss_scale import AUTO, DynamicLossScale, loss_scale_from_argument
 from mp_callbacks.model_checks import check_model
 
 __all__ = ["MixedPrecisionModel", "LOG_KEYS"]
@@ -33,7 +30,7 @@ logger = logging.getLogger(__name__)
 #: Keys that `MixedPrecisionModel.train_step` adds to the training logs.
 LOG_KEYS = ("loss_scale", "grad_norm", "skipped_steps")
 
-_AUTO = "auto"
+_AUTO = AUTO
 
 
 def _global_norm_float32(grads: list[Any]) -> tf.Tensor:
@@ -47,31 +44,6 @@ def _global_norm_float32(grads: list[Any]) -> tf.Tensor:
     if not squares:
         return tf.constant(0.0, tf.float32)
     return tf.sqrt(tf.add_n(squares))
-
-
-def _make_loss_scale(value: Any, owner: str = "MixedPrecisionModel") -> DynamicLossScale | None:
-    """Turns a `loss_scale` argument into a DynamicLossScale (None: "auto")."""
-    requirement = (
-        "'auto', a DynamicLossScale, a positive number (fixed scale) or None "
-        "(no scaling)"
-    )
-    if isinstance(value, str):
-        if value != _AUTO:
-            fail(owner, "loss_scale", value, requirement)
-        return None
-    if value is None:
-        return DynamicLossScale.disabled()
-    if isinstance(value, DynamicLossScale):
-        return value
-    if isinstance(value, dict) and value:
-        return keras.saving.deserialize_keras_object(value)
-    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
-        scale = check_real(
-            owner, "loss_scale", value, low=0.0, low_inclusive=False, float32=True,
-            requirement="a finite number > 0 when it is a fixed scale",
-        )
-        return DynamicLossScale.fixed(scale)
-    fail(owner, "loss_scale", value, requirement, TypeError)
 
 
 _FUNCTIONAL_VARIANTS: dict[type, type] = {}
@@ -135,6 +107,45 @@ def _for_multi_worker_reduction(logs: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+class _KeptBatch:
+    """The last batch whose step was skipped, kept for `diagnose_batch`.
+
+    Variables of unknown shape, one per tensor of the batch, assigned only
+    in the skip branch of the step: healthy steps do no work for it and it
+    never holds more than one batch. Held in a plain object so that Keras
+    does not count these variables as the model's weights.
+    """
+
+    def __init__(self) -> None:
+        self.structure: Any = None
+        self.variables: list[tf.Variable] | None = None
+        self.step: tf.Variable | None = None
+
+    def pairs(self, data: Any, step: Any) -> list[tuple[Any, Any]]:
+        """(variable, value) pairs that keep `data` when assigned."""
+        flat = [t for t in tf.nest.flatten(data) if t is not None]
+        if self.variables is None:
+            with tf.init_scope():
+                self.variables = [
+                    tf.Variable(tf.zeros([0] * len(t.shape), t.dtype), shape=tf.TensorShape(None),
+                                trainable=False, name="kept_batch")
+                    for t in flat
+                ]
+                self.step = tf.Variable(-1, dtype=tf.int64, trainable=False, name="kept_batch_step")
+            self.structure = data
+        if len(flat) != len(self.variables) or any(
+                t.dtype != v.dtype for t, v in zip(flat, self.variables)):
+            return []  # another structure than the first batch's: keep nothing
+        return list(zip(self.variables, flat)) + [(self.step, step)]
+
+    def read(self) -> tuple[Any, int] | None:
+        if self.variables is None or int(self.step.numpy()) < 0:
+            return None
+        values = iter(v.numpy() for v in self.variables)
+        leaves = [None if leaf is None else next(values) for leaf in tf.nest.flatten(self.structure)]
+        return tf.nest.pack_sequence_as(self.structure, leaves), int(self.step.numpy())
+
+
 class _EpochSignals:
     """Per-epoch trackers, kept out of Keras's tracking on purpose.
 
@@ -195,15 +206,17 @@ class MixedPrecisionModel(keras.Model):
     ```
     """
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "MixedPrecisionModel":
+    def __new__(cls, *args: Any, **kwargs: Any) -> "MixedPrecisionModel":  # pragma: no mutate block
         if _is_functional_call(args, kwargs) and not issubclass(cls, functional_class()):
             cls = _functional_variant(cls)
         return super().__new__(cls, *args, **kwargs)
 
-    def __init__(self, *args: Any, loss_scale: Any = _AUTO, **kwargs: Any) -> None:
+    # Keras reads this signature (auto-config): mutation trampolines would hide it.
+    def __init__(self, *args: Any, loss_scale: Any = _AUTO, **kwargs: Any) -> None:  # pragma: no mutate block
         super().__init__(*args, **kwargs)
-        self._loss_scale = _make_loss_scale(loss_scale)
+        self._loss_scale = loss_scale_from_argument(loss_scale)
         self._epoch_signals = _EpochSignals()
+        self._kept_batch = _KeptBatch()
         self._checked_model = False
 
     # ------------------------------------------------------------ creation
@@ -266,7 +279,7 @@ class MixedPrecisionModel(keras.Model):
         """Replaces the loss scale (same values as the `loss_scale`
         argument), for example between keras-tuner trials. Training resumes
         from the new object's state; the next `fit` retraces."""
-        self._loss_scale = _make_loss_scale(loss_scale)
+        self._loss_scale = loss_scale_from_argument(loss_scale)
         if self._loss_scale is None and self.compiled:
             self._loss_scale = self._auto_loss_scale()
         if self._loss_scale is not None and self.built:
@@ -279,6 +292,16 @@ class MixedPrecisionModel(keras.Model):
         if self._loss_scale is None:
             return 2.0**15 if self._computes_in_float16() else 1.0
         return self._loss_scale.get_scale()
+
+    def kept_batch(self) -> tuple[tuple[Any, Any, Any], int] | None:
+        """The last batch whose step was skipped, and that step's number.
+
+        Returns `((x, y, sample_weight), step)` as NumPy values, `step`
+        counting the loss scale's steps from 0, or None when no step has
+        been skipped (or under a `tf.distribute` strategy, where batches are
+        not kept). `diagnose_batch(model, *batch)` replays it.
+        """
+        return self._kept_batch.read()
 
     def nonfinite_gradient_counts(self) -> dict[str, int]:
         """Steps with a non-finite gradient so far, per trainable variable.
@@ -412,9 +435,15 @@ class MixedPrecisionModel(keras.Model):
             )
             if num_replicas > 1:
                 grad_norm = grad_norm * num_replicas
+            restore = list(zip(forward_state, state_before))
+            if num_replicas == 1:
+                # The step number the batch would have had (0-based count
+                # of steps seen), kept with it on a skip.
+                restore += self._kept_batch.pairs(
+                    (x, y, sample_weight), loss_scale._state["step_count"].read_value()
+                )
             applied = loss_scale.apply_gradients(
-                self.optimizer, grads, variables, loss=loss,
-                restore_on_skip=list(zip(forward_state, state_before)),
+                self.optimizer, grads, variables, loss=loss, restore_on_skip=restore,
             )
         signals = self._epoch_signals
         signals.grad_norm.update_state(

@@ -13,6 +13,7 @@ from mp_callbacks._backend import keras
 from mp_callbacks._callback_support import ConfigCopyMixin
 from mp_callbacks._loss_scale_source import LossScaleSource
 from mp_callbacks._validation import check_choice, check_int
+from mp_callbacks.diagnosis import diagnose_batch
 from mp_callbacks.errors import MixedPrecisionWarning, NonFiniteGradientError
 
 __all__ = ["NaNGradientMonitor"]
@@ -200,21 +201,58 @@ class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
         if self._nonfinite_loss_checks >= self.patience:
             self._diverge(step, "the loss was non-finite", [], None)
 
+    def _replay_kept_batch(self) -> Any:
+        """Diagnoses the batch of the last skipped step, if the model kept one."""
+        kept = getattr(self.model, "kept_batch", None)
+        batch = kept() if callable(kept) else None
+        if batch is None:
+            return None
+        (x, y, sample_weight), _ = batch
+        try:
+            return diagnose_batch(self.model, x, y, sample_weight)
+        except Exception as error:  # the diagnosis must never hide the divergence
+            logger.warning("NaNGradientMonitor: could not replay the kept batch: %s", error)
+            return None
+
     def _diverge(self, step: int, reason: str, culprits: list[str], scale: float | None) -> None:
-        origin = _layer_of(culprits[-1]) if culprits else None
-        where = (
-            f"Non-finite gradients in {len(culprits)} variable(s): {', '.join(culprits)}; "
-            f"most likely origin: layer {origin!r} (nearest the loss)."
-            if culprits
-            else "No gradient was non-finite at the checks; the loss itself was."
+        report = self._replay_kept_batch()
+        variables_text = (
+            f"Non-finite gradients in {len(culprits)} variable(s): {', '.join(culprits)}."
+            if culprits else "No gradient was non-finite at the checks."
         )
+        if report is not None and report.origin is not None:
+            origin = report.origin
+            if origin == "loss":
+                located = ("Every layer output of the replayed batch is finite but the loss is "
+                           "not: check the labels and the loss function.")
+            else:
+                forward = origin == report.first_nonfinite_layer and not report.loss_finite
+                located = (
+                    f"Non-finite values first appear in layer {origin!r} ("
+                    + ("forward pass: its output overflowed" if forward
+                       else "backward pass: the gradient it passes back is not finite")
+                    + "), found by replaying the batch of the last skipped step."
+                )
+                if report.float32_layers:
+                    located += (f" Compute {', '.join(map(repr, report.float32_layers))} in "
+                                "float32: mp_callbacks.with_float32_layers(model, "
+                                f"{report.float32_layers!r}).")
+            where = f"{located} {variables_text}"
+        else:
+            origin = _layer_of(culprits[-1]) if culprits else None
+            where = (
+                f"Non-finite gradients in {len(culprits)} variable(s): {', '.join(culprits)}; "
+                f"most likely origin: layer {origin!r} (nearest the loss)."
+                if culprits
+                else "No gradient was non-finite at the checks; the loss itself was."
+            )
         scale_text = f"; loss scale {scale:g}" if scale is not None else ""
         message = (
             f"Training diverged by step {step}: {reason} for at least {self.patience} "
             f"consecutive step(s){scale_text}. {where}"
         )
         self.error = NonFiniteGradientError(
-            message, variables=culprits, origin=origin, step=step, scale=scale
+            message, variables=culprits, origin=origin, step=step, scale=scale, report=report
         )
         if self.action == "raise":
             raise self.error

@@ -23,6 +23,7 @@ import contextlib
 from typing import Any, Callable, Iterator, Sequence
 
 from mp_callbacks._backend import keras
+from mp_callbacks._validation import check_real, fail
 from mp_callbacks.hardware import POLICIES
 from mp_callbacks.loss_scale import DynamicLossScale
 from mp_callbacks.model import MixedPrecisionModel
@@ -89,17 +90,20 @@ class MixedPrecisionHyperModel(kt.HyperModel):
         policies = list(policies)
         unknown = [p for p in policies if p not in POLICIES]
         if not policies or unknown:
-            raise ValueError(
-                f"MixedPrecisionHyperModel: `policies` must be a non-empty list from "
-                f"{', '.join(POLICIES)}; received policies={policies!r}."
-            )
+            fail("MixedPrecisionHyperModel", "policies", policies,
+                 f"a non-empty list from {', '.join(POLICIES)}")
         for argument, values in (loss_scale_space or {}).items():
             if argument not in _LOSS_SCALE_ARGS or not list(values):
-                raise ValueError(
-                    "MixedPrecisionHyperModel: `loss_scale_space` maps DynamicLossScale "
-                    f"arguments ({', '.join(_LOSS_SCALE_ARGS)}) to non-empty lists of "
-                    f"values; received {argument!r}: {values!r}."
-                )
+                fail("MixedPrecisionHyperModel", "loss_scale_space", {argument: values},
+                     f"a dict from DynamicLossScale arguments ({', '.join(_LOSS_SCALE_ARGS)}) "
+                     "to non-empty lists of values")
+            for value in values:  # refused now, not in the middle of a search
+                if argument in ("initial_scale", "min_scale", "max_scale"):
+                    # Their bounds depend on each other: checked alone here.
+                    check_real("MixedPrecisionHyperModel", f"loss_scale_space[{argument!r}]",
+                               value, low=0.0, low_inclusive=False, float32=True)
+                else:
+                    DynamicLossScale(**{argument: value})
         self.hypermodel = hypermodel
         self.policies = policies
         self.loss_scale_space = {k: list(v) for k, v in (loss_scale_space or {}).items()}

@@ -159,6 +159,9 @@ def test_epoch_time_excludes_validation_exactly():
     assert history.history["val_time"] == [200.0, 200.0]
     assert history.history["steps_per_sec"] == [1.0, 1.0]
     assert history.history["samples_per_sec"] == [8.0, 8.0]
+    summary = timer.summary()
+    assert summary["total_time"] == 2 * (4.0 + 200.0)
+    assert summary["first_epoch_time"] == 4.0 and summary["median_epoch_time"] == 4.0
 
 
 def test_epoch_with_no_steps_reports_no_samples():

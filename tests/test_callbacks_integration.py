@@ -49,9 +49,10 @@ def test_history_has_every_callback_key(fitted):
     # 48 training samples, 3 steps per epoch; growth every 5 steps: 32 -> 64 at step 5.
     assert history["loss_scale"] == [32.0, 64.0, 64.0]
     assert history["nonfinite_steps"] == [0.0, 0.0, 0.0]
-    for seconds, rate in zip(history["epoch_time"], history["samples_per_sec"]):
-        assert rate * seconds == pytest.approx(48.0)
-    assert all(t > 0 for t in history["val_time"])
+    # The sample count is read from the model, not derived from the rate.
+    assert [r["samples"] for r in fitted["timer"].records] == [48.0, 48.0, 48.0]
+    assert [r["steps"] for r in fitted["timer"].records] == [3, 3, 3]
+    assert history["val_time"] == [r["val_time"] for r in fitted["timer"].records]
 
 
 def test_csv_logger_has_the_columns(fitted):
@@ -92,7 +93,9 @@ def test_epoch_timer_summary_and_records(fitted):
     assert summary["epochs"] == EPOCHS
     warm = sorted(r["epoch_time"] for r in timer.records[1:])
     assert summary["median_epoch_time"] == pytest.approx(sum(warm) / 2)
-    assert summary["total_time"] >= sum(r["epoch_time"] for r in timer.records)
+    assert summary["first_epoch_time"] == timer.records[0]["epoch_time"]
+    # Exact totals and the exclusion of validation are checked with a fake
+    # clock in test_callback_reuse.py.
 
 
 @pytest.mark.parametrize(

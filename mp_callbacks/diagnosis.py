@@ -1,0 +1,363 @@
+"""`diagnose_batch`: where, layer by layer, a batch overflows.
+
+One batch is replayed through the model in its own dtype policy, eagerly,
+with every layer's inputs and outputs recorded (each layer's `call` is
+wrapped for the duration, so functional, Sequential and subclassed models
+are all seen at the granularity of their layers). The forward pass names
+the first layer whose output is not finite; the backward pass, at the
+model's current loss scale, names the first layer (nearest the loss first)
+whose gradient goes non-finite, weightless layers included. It costs one
+forward and one backward pass, only when asked for: `NaNGradientMonitor`
+calls it once, at divergence, on the batch `MixedPrecisionModel` kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+
+from mp_callbacks._backend import keras, tf
+from mp_callbacks._loss_scale_source import LossScaleSource
+
+__all__ = ["PrecisionReport", "diagnose_batch", "layer_output_ranges", "FLOAT16_ADVICE_THRESHOLD"]
+
+#: A float16 layer whose largest output uses more than this share of
+#: float16's range is advised to compute in float32.
+FLOAT16_ADVICE_THRESHOLD = 0.5
+
+
+def dtype_max(dtype: Any) -> float:
+    """Largest finite value of a floating dtype (65504 for float16)."""
+    return float(tf.as_dtype(keras.backend.standardize_dtype(dtype)).max)
+
+
+def dtype_tiny(dtype: Any) -> float:
+    """Smallest normal value of a floating dtype (6.1e-5 for float16)."""
+    name = keras.backend.standardize_dtype(dtype)
+    if name == "bfloat16":
+        return 2.0**-126  # bfloat16 has float32's exponent range
+    return float(np.finfo(name).tiny)
+
+
+@dataclass
+class LayerRecord:
+    """What one layer did with the batch."""
+
+    name: str
+    compute_dtype: str
+    activation_max: float
+    output_finite: bool
+    gradient_finite: bool | None = None
+    underflow: float | None = None
+
+
+@dataclass
+class PrecisionReport:
+    """Per-layer precision figures for one batch.
+
+    Attributes:
+        first_nonfinite_layer: the first layer, in forward order, whose
+            output is not finite (None if every output is finite).
+        first_nonfinite_gradient_layer: the first layer, in backward order
+            (nearest the loss first), whose gradient output (with respect to
+            its inputs or its own weights) is not finite, weightless layers
+            included (None if every gradient is finite, or no loss could be
+            computed).
+        activation_max: layer name -> largest |output| (inf or nan when the
+            output is not finite).
+        headroom: layer name -> the share of the layer's compute dtype's
+            finite range that its largest |output| uses (1.0 or more:
+            overflow). Close to 1 means trouble is near.
+        underflow: layer name -> the share of the gradient values with
+            respect to the layer's output that lie at or below the smallest
+            normal number of its compute dtype (zero included) at the
+            current loss scale: the values that have lost precision or
+            vanished.
+        float32_layers: the advice: layers to compute in float32 (the
+            origin, when it computes in float16 or bfloat16, and float16
+            layers whose outputs use more than half of float16's range).
+        loss: the unscaled loss of the batch (None without a loss).
+        loss_finite: whether that loss is finite.
+        loss_scale: the loss scale the backward pass used.
+        origin: where non-finite values first appear: the forward origin
+            when the loss is not finite (or "loss" when every layer output
+            is finite but the loss is not), else the backward origin.
+        notes: what could not be seen (subclassed models' own operations,
+            no loss).
+        layers: the per-layer records, in forward order.
+    """
+
+    first_nonfinite_layer: str | None
+    first_nonfinite_gradient_layer: str | None
+    activation_max: dict[str, float]
+    headroom: dict[str, float]
+    underflow: dict[str, float]
+    float32_layers: list[str]
+    loss: float | None
+    loss_finite: bool
+    loss_scale: float
+    origin: str | None
+    notes: list[str] = field(default_factory=list)
+    layers: list[LayerRecord] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        header = ("layer", "dtype", "max |output|", "range used", "grad underflow", "output", "gradient")
+        rows = []
+        for record in self.layers:
+            rows.append((
+                record.name,
+                record.compute_dtype,
+                f"{record.activation_max:.4g}",
+                f"{self.headroom[record.name]:.2%}" if math.isfinite(self.headroom[record.name]) else "overflow",
+                "-" if record.underflow is None else f"{record.underflow:.1%}",
+                "ok" if record.output_finite else "NON-FINITE",
+                "-" if record.gradient_finite is None else ("ok" if record.gradient_finite else "NON-FINITE"),
+            ))
+        widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+        lines = ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip()
+                 for row in [header] + rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        loss_text = "n/a" if self.loss is None else f"{self.loss:.6g}"
+        lines.append("")
+        lines.append(f"loss: {loss_text} (loss scale {self.loss_scale:g})")
+        lines.append(f"first non-finite output: {self.first_nonfinite_layer or 'none'}")
+        lines.append(f"first non-finite gradient (backward order): "
+                     f"{self.first_nonfinite_gradient_layer or 'none'}")
+        if self.float32_layers:
+            lines.append("compute in float32: " + ", ".join(self.float32_layers)
+                         + "  (mp_callbacks.with_float32_layers(model, report.float32_layers))")
+        lines.extend(f"note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+
+def _floating_tensors(structure: Any) -> list[Any]:
+    return [t for t in tf.nest.flatten(structure)
+            if tf.is_tensor(t) and t.dtype.is_floating]
+
+
+def _all_finite(tensors: list[Any]) -> bool:
+    return all(bool(tf.reduce_all(tf.math.is_finite(t))) for t in tensors)
+
+
+def _abs_max(tensors: list[Any]) -> float:
+    if not tensors:
+        return 0.0
+    values = [tf.reduce_max(tf.abs(tf.cast(t, tf.float32))) for t in tensors if tf.size(t) > 0]
+    if not values:
+        return 0.0
+    if not _all_finite(tensors):
+        has_nan = any(bool(tf.reduce_any(tf.math.is_nan(t))) for t in tensors)
+        return math.nan if has_nan else math.inf
+    return float(max(float(v) for v in values))
+
+
+def _own_trainable_weights(layer: Any) -> list[Any]:
+    children = {id(w) for child in layer._flatten_layers(include_self=False)
+                for w in child.trainable_weights}
+    return [w for w in layer.trainable_weights if id(w) not in children]
+
+
+def _inspected_layers(model: keras.Model) -> list[Any]:
+    return [layer for layer in model._flatten_layers(include_self=False, recursive=True)
+            if not isinstance(layer, keras.layers.InputLayer)]
+
+
+@contextlib.contextmanager
+def recording_layers(model: keras.Model, tape: Any = None) -> Iterator[list[tuple[Any, list[Any], list[Any]]]]:
+    """While active, every call of one of `model`'s layers appends
+    `(layer, floating inputs, floating outputs)` to the yielded list (in
+    order of completion: forward order), watching them on `tape` if given.
+    The layers are restored on exit."""
+    records: list[tuple[Any, list[Any], list[Any]]] = []
+
+    def wrap(layer: Any, original: Any) -> Any:
+        def recorded_call(*args: Any, **kwargs: Any) -> Any:
+            inputs = _floating_tensors((args, kwargs))
+            if tape is not None:
+                for tensor in inputs:
+                    tape.watch(tensor)
+            outputs = original(*args, **kwargs)
+            flat_outputs = _floating_tensors(outputs)
+            if tape is not None:
+                for tensor in flat_outputs:
+                    tape.watch(tensor)
+            records.append((layer, inputs, flat_outputs))
+            return outputs
+
+        return recorded_call
+
+    layers = _inspected_layers(model)
+    for layer in layers:
+        layer.__dict__["call"] = wrap(layer, layer.call)
+    try:
+        yield records
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("call", None)
+
+
+def layer_output_ranges(model: keras.Model, x: Any) -> dict[str, tuple[str, float]]:
+    """Forward pass in inference mode: layer name -> (compute dtype,
+    largest |output|), the worst over the layer's calls."""
+    with recording_layers(model) as records:
+        model(x, training=False)
+    ranges: dict[str, tuple[str, float]] = {}
+    for layer, _, outputs in records:
+        value = _abs_max(outputs)
+        dtype = str(getattr(layer, "compute_dtype", "float32"))
+        previous = ranges.get(layer.name, (dtype, 0.0))[1]
+        ranges[layer.name] = (dtype, value if not value <= previous else previous)
+    return ranges
+
+
+def diagnose_batch(
+    model: keras.Model,
+    x: Any,
+    y: Any = None,
+    sample_weight: Any = None,
+    loss_scale: float | None = None,
+) -> PrecisionReport:
+    """Replays one batch layer by layer and reports where precision fails.
+
+    Args:
+        model: a built Keras model (functional, Sequential or subclassed;
+            compiled, for the backward pass).
+        x, y, sample_weight: the batch, as for `model.fit`.
+        loss_scale: the loss scale of the backward pass; by default the
+            model's current one (1.0 when it does not scale).
+
+    Returns:
+        A `PrecisionReport`; `str(report)` is a table.
+
+    The batch runs in training mode, as in `fit`; state the forward pass
+    updates (BatchNormalization's moving statistics) is put back afterwards.
+
+    Example:
+
+    ```python
+    import keras, numpy as np
+    import mp_callbacks as mp
+
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(4, name="hidden")(inputs)
+    outputs = keras.layers.Dense(1, name="head")(hidden)
+    model = keras.Model(inputs, outputs)
+    model.compile("sgd", "mse")
+    x = np.ones((8, 4), "float32")
+    x[0, 0] = np.inf
+    report = mp.diagnose_batch(model, x, np.zeros((8, 1), "float32"))
+    print(report.first_nonfinite_layer, report.origin)  # hidden hidden
+    ```
+    """
+    x = tf.nest.map_structure(lambda v: tf.convert_to_tensor(v) if v is not None else v, x)
+    if y is not None:
+        y = tf.nest.map_structure(tf.convert_to_tensor, y)
+    if sample_weight is not None:
+        sample_weight = tf.convert_to_tensor(sample_weight)
+    if loss_scale is None:
+        loss_scale = LossScaleSource.of(model).read_scale()
+    notes: list[str] = []
+    functional = hasattr(model, "_run_through_graph") or isinstance(model, keras.Sequential)
+    if not functional:
+        notes.append(
+            f"{type(model).__name__} is subclassed: its sub-layers are inspected, but "
+            "operations written directly in its call() between them are not."
+        )
+    forward_state = list(model.non_trainable_variables)
+    saved_state = [v.numpy() for v in forward_state]
+
+    tape = tf.GradientTape(persistent=True)
+    loss = None
+    try:
+        with recording_layers(model, tape) as records, tape:
+            y_pred = model(x, training=True)
+            if y is not None and getattr(model, "compiled", False):
+                loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                          training=True)
+                scaled_loss = tf.cast(loss, tf.float32) * tf.constant(loss_scale, tf.float32)
+    finally:
+        for variable, value in zip(forward_state, saved_state):
+            variable.assign(value)
+
+    # One entry per layer: a layer called twice keeps its first call's
+    # position and the worst of its figures.
+    order: list[Any] = []
+    calls: dict[int, list[tuple[list[Any], list[Any]]]] = {}
+    for layer, inputs, outputs in records:
+        if id(layer) not in calls:
+            order.append(layer)
+            calls[id(layer)] = []
+        calls[id(layer)].append((inputs, outputs))
+
+    layer_records: dict[str, LayerRecord] = {}
+    for layer in order:
+        outputs = [t for _, outs in calls[id(layer)] for t in outs]
+        layer_records[layer.name] = LayerRecord(
+            name=layer.name,
+            compute_dtype=str(getattr(layer, "compute_dtype", "float32")),
+            activation_max=_abs_max(outputs),
+            output_finite=_all_finite(outputs),
+        )
+
+    if loss is None:
+        notes.append("no loss was computed (pass y and compile the model): backward "
+                      "origin and underflow are not reported.")
+    else:
+        watched_inputs = {id(layer): [t for ins, _ in calls[id(layer)] for t in ins] for layer in order}
+        watched_outputs = {id(layer): [t for _, outs in calls[id(layer)] for t in outs] for layer in order}
+        for layer in order:
+            weights = _own_trainable_weights(layer)
+            targets = watched_inputs[id(layer)] + weights
+            grads = [g for g in tape.gradient(scaled_loss, targets) if g is not None] if targets else []
+            grads = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
+            record = layer_records[layer.name]
+            record.gradient_finite = _all_finite(grads) if grads else True
+            out_grads = [g for g in tape.gradient(scaled_loss, watched_outputs[id(layer)]) if g is not None]
+            if out_grads:
+                tiny = dtype_tiny(out_grads[0].dtype)
+                total = sum(int(tf.size(g)) for g in out_grads)
+                small = sum(int(tf.reduce_sum(tf.cast(tf.abs(tf.cast(g, tf.float32)) <= tiny, tf.int64)))
+                            for g in out_grads)
+                record.underflow = small / total if total else 0.0
+    del tape
+
+    ordered = [layer_records[layer.name] for layer in order]
+    activation_max = {r.name: r.activation_max for r in ordered}
+    headroom = {r.name: (r.activation_max / dtype_max(r.compute_dtype)
+                         if math.isfinite(r.activation_max) else math.inf) for r in ordered}
+    underflow = {r.name: r.underflow for r in ordered if r.underflow is not None}
+    first_forward = next((r.name for r in ordered if not r.output_finite), None)
+    first_backward = next((r.name for r in reversed(ordered) if r.gradient_finite is False), None)
+    loss_value = None if loss is None else float(loss)
+    loss_finite = loss_value is None or math.isfinite(loss_value)
+    if not loss_finite:
+        origin = first_forward or "loss"
+    else:
+        origin = first_backward or first_forward
+
+    # Only the origin overflowed on its own: everything downstream of it
+    # merely inherited the inf/NaN. Layers already in float32 need no advice.
+    low_precision = {r.name for r in ordered if r.compute_dtype in ("float16", "bfloat16")}
+    advice = [origin] if origin in low_precision else []
+    for record in ordered:
+        if (record.compute_dtype == "float16" and record.name not in advice
+                and FLOAT16_ADVICE_THRESHOLD < headroom[record.name] < math.inf):
+            advice.append(record.name)
+    return PrecisionReport(
+        first_nonfinite_layer=first_forward,
+        first_nonfinite_gradient_layer=first_backward,
+        activation_max=activation_max,
+        headroom=headroom,
+        underflow=underflow,
+        float32_layers=advice,
+        loss=loss_value,
+        loss_finite=loss_finite,
+        loss_scale=float(loss_scale),
+        origin=origin,
+        notes=notes,
+        layers=ordered,
+    )

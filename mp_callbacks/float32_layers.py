@@ -1,0 +1,78 @@
+"""`with_float32_layers`: acting on a diagnosis in one line."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Iterable
+
+from mp_callbacks._backend import keras
+from mp_callbacks._validation import fail
+
+__all__ = ["with_float32_layers"]
+
+
+def _layer_configs(config: dict[str, Any]) -> list[dict[str, Any]]:
+    return config.get("layers", [])
+
+
+def with_float32_layers(model: keras.Model, names: Iterable[str]) -> keras.Model:
+    """A copy of `model` whose named layers compute in float32.
+
+    The copy has the same architecture and the same weights; only the named
+    layers' dtype policy becomes `"float32"` (the others keep theirs). If
+    the original was compiled, the copy is compiled the same way, with a
+    fresh optimizer of the same class and configuration. A
+    `MixedPrecisionModel` stays one, with the same loss-scale settings.
+
+    Args:
+        model: a functional or Sequential model (a `MixedPrecisionModel`
+            built functionally included).
+        names: names of top-level layers, for example
+            `report.float32_layers` from `diagnose_batch`.
+
+    Example:
+
+    ```python
+    import keras
+    import mp_callbacks as mp
+
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, name="hidden", dtype="mixed_float16")(inputs)
+    outputs = keras.layers.Dense(1, name="head")(hidden)
+    model = keras.Model(inputs, outputs)
+    fixed = mp.with_float32_layers(model, ["hidden"])
+    print(fixed.get_layer("hidden").compute_dtype)  # float32
+    ```
+    """
+    names = [names] if isinstance(names, str) else list(names)
+    if not all(isinstance(name, str) for name in names):
+        fail("with_float32_layers", "names", names, "layer names (strings)", TypeError)
+    if isinstance(model, keras.Sequential):
+        functional = True
+    else:
+        functional = hasattr(model, "_run_through_graph")
+        try:
+            functional = functional and bool(model.inputs) and bool(model.outputs)
+        except (AttributeError, ValueError):
+            functional = False
+    if not functional:
+        fail("with_float32_layers", "model", model.name,
+             "a functional or Sequential model (subclassed models define their layers in "
+             "code: set dtype='float32' on those layers there)")
+    config = copy.deepcopy(model.get_config())
+    by_name = {layer_config.get("config", {}).get("name"): layer_config
+               for layer_config in _layer_configs(config)}
+    unknown = [name for name in names if name not in by_name]
+    if unknown:
+        fail("with_float32_layers", "names", unknown,
+             f"names of the model's layers ({', '.join(n for n in by_name if n)})")
+    for name in names:
+        by_name[name]["config"]["dtype"] = "float32"
+    clone = type(model).from_config(config)
+    clone.set_weights(model.get_weights())
+    if getattr(model, "compiled", False) and getattr(model, "optimizer", None) is not None:
+        compile_config = keras.saving.deserialize_keras_object(model.get_compile_config())
+        optimizer = model.optimizer
+        compile_config["optimizer"] = type(optimizer).from_config(optimizer.get_config())
+        clone.compile(**compile_config)
+    return clone
