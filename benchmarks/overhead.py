@@ -21,6 +21,7 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 import mp_callbacks as mp  # noqa: E402
 from mp_callbacks.data import synthetic_digits  # noqa: E402
@@ -34,12 +35,20 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--samples", type=int, default=8000)
     parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=0,
+                        help="TensorFlow intra- and inter-op threads (0: TensorFlow's default)")
+    parser.add_argument("--skip-callbacks", action="store_true",
+                        help="only the model comparison")
     args = parser.parse_args(argv)
+    if args.threads:
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
 
     keras.mixed_precision.set_global_policy(args.policy)
     data = synthetic_digits(n_train=args.samples, n_test=500)
     print(f"policy {args.policy}, CNN, {args.samples} samples, batch {args.batch_size}, "
-          f"{args.rounds} interleaved rounds; data: {data.description}")
+          f"{args.rounds} interleaved rounds, threads {args.threads or 'default'}; "
+          f"data: {data.description}")
 
     def compiled(model):
         model.compile(keras.optimizers.Adam(), "sparse_categorical_crossentropy",
@@ -55,6 +64,8 @@ def main(argv=None):
     report("MixedPrecisionModel vs keras.Model (epoch time ratio)", times,
            "stock", "MixedPrecisionModel")
 
+    if args.skip_callbacks:
+        return
     callbacks = [mp.LossScaleMonitor(), mp.NaNGradientMonitor(), mp.EpochTimer()]
     reads = count_device_reads()
     times = compare({"no callbacks": (ours, []), "three callbacks": (ours, callbacks)},

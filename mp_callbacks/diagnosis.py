@@ -79,7 +79,8 @@ class PrecisionReport:
             vanished.
         float32_layers: the advice: layers to compute in float32 (the
             origin, when it computes in float16 or bfloat16, and float16
-            layers whose outputs use more than half of float16's range).
+            layers whose true inputs or outputs, from a float32 replay of
+            the batch, use more than half of float16's range).
         loss: the unscaled loss of the batch (None without a loss).
         loss_finite: whether that loss is finite.
         loss_scale: the loss scale the backward pass used.
@@ -89,6 +90,9 @@ class PrecisionReport:
         notes: what could not be seen (subclassed models' own operations,
             no loss).
         layers: the per-layer records, in forward order.
+        reference_max: layer name -> largest |output| when the same batch
+            runs with every layer in float32: the magnitude a layer that
+            overflowed should have held.
     """
 
     first_nonfinite_layer: str | None
@@ -103,16 +107,20 @@ class PrecisionReport:
     origin: str | None
     notes: list[str] = field(default_factory=list)
     layers: list[LayerRecord] = field(default_factory=list)
+    reference_max: dict[str, float] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        header = ("layer", "dtype", "max |output|", "range used", "grad underflow", "output", "gradient")
+        header = ("layer", "dtype", "max |output|", "in float32", "range used", "grad underflow",
+                  "output", "gradient")
         rows = []
         for record in self.layers:
             rows.append((
                 record.name,
                 record.compute_dtype,
                 f"{record.activation_max:.4g}",
-                f"{self.headroom[record.name]:.2%}" if math.isfinite(self.headroom[record.name]) else "overflow",
+                f"{self.reference_max[record.name]:.4g}" if record.name in self.reference_max else "-",
+                (f"{self.headroom[record.name]:.2%}" if math.isfinite(self.headroom[record.name])
+                 else "overflow" if record.name == self.first_nonfinite_layer else "inherited"),
                 "-" if record.underflow is None else f"{record.underflow:.1%}",
                 "ok" if record.output_finite else "NON-FINITE",
                 "-" if record.gradient_finite is None else ("ok" if record.gradient_finite else "NON-FINITE"),
@@ -200,6 +208,40 @@ def recording_layers(model: keras.Model, tape: Any = None) -> Iterator[list[tupl
             layer.__dict__.pop("call", None)
 
 
+@contextlib.contextmanager
+def computing_in_float32(model: keras.Model) -> Iterator[None]:
+    """While active, every layer of `model` computes in float32 (its dtype
+    policy is swapped, then restored; variables are untouched)."""
+    swapped = []
+    for layer in _inspected_layers(model):
+        policy = getattr(layer, "_dtype_policy", None)
+        if policy is None or getattr(policy, "quantization_mode", None) is not None:
+            continue  # quantized layers keep their own kernels
+        swapped.append((layer, policy))
+        layer._dtype_policy = FLOAT32_POLICY()
+    try:
+        yield
+    finally:
+        for layer, policy in swapped:
+            layer._dtype_policy = policy
+
+
+def FLOAT32_POLICY() -> Any:
+    return keras.dtype_policies.get("float32")
+
+
+def _reference_ranges(model: keras.Model, x: Any) -> dict[str, tuple[float, float]]:
+    """The batch in float32: layer name -> (largest |input|, largest |output|),
+    the true magnitudes that a low-precision layer should have held."""
+    ranges: dict[str, tuple[float, float]] = {}
+    with computing_in_float32(model), recording_layers(model) as records:
+        model(x, training=True)
+    for layer, inputs, outputs in records:
+        old_in, old_out = ranges.get(layer.name, (0.0, 0.0))
+        ranges[layer.name] = (max(old_in, _abs_max(inputs)), max(old_out, _abs_max(outputs)))
+    return ranges
+
+
 def layer_output_ranges(model: keras.Model, x: Any) -> dict[str, tuple[str, float]]:
     """Forward pass in inference mode: layer name -> (compute dtype,
     largest |output|), the worst over the layer's calls."""
@@ -272,7 +314,14 @@ def diagnose_batch(
 
     tape = tf.GradientTape(persistent=True)
     loss = None
+    reference: dict[str, tuple[float, float]] = {}
     try:
+        try:
+            reference = _reference_ranges(model, x)
+        except Exception as error:  # the reference is advice, not the diagnosis
+            notes.append(f"no float32 reference pass ({type(error).__name__}: {error}).")
+        for variable, value in zip(forward_state, saved_state):
+            variable.assign(value)
         with recording_layers(model, tape) as records, tape:
             y_pred = model(x, training=True)
             if y is not None and getattr(model, "compiled", False):
@@ -339,14 +388,22 @@ def diagnose_batch(
     else:
         origin = first_backward or first_forward
 
-    # Only the origin overflowed on its own: everything downstream of it
-    # merely inherited the inf/NaN. Layers already in float32 need no advice.
+    # The origin, and every float16 layer whose true magnitudes (from the
+    # float32 replay) fill more than half of float16's range on the way in
+    # or out: downstream of an overflow, layers merely inherit inf/NaN, and
+    # only the reference says which of them would overflow on their own.
     low_precision = {r.name for r in ordered if r.compute_dtype in ("float16", "bfloat16")}
-    advice = [origin] if origin in low_precision else []
+    limit = FLOAT16_ADVICE_THRESHOLD * dtype_max("float16")
+    advice = []
     for record in ordered:
-        if (record.compute_dtype == "float16" and record.name not in advice
-                and FLOAT16_ADVICE_THRESHOLD < headroom[record.name] < math.inf):
+        true_in, true_out = reference.get(record.name, (0.0, record.activation_max))
+        near_overflow = record.compute_dtype == "float16" and (
+            max(true_in, true_out) > limit
+            or FLOAT16_ADVICE_THRESHOLD < headroom[record.name] < math.inf
+        )
+        if (record.name == origin and record.name in low_precision) or near_overflow:
             advice.append(record.name)
+    reference_max = {name: out for name, (_, out) in reference.items()}
     return PrecisionReport(
         first_nonfinite_layer=first_forward,
         first_nonfinite_gradient_layer=first_backward,
@@ -360,4 +417,5 @@ def diagnose_batch(
         origin=origin,
         notes=notes,
         layers=ordered,
+        reference_max=reference_max,
     )

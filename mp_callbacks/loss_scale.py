@@ -36,7 +36,7 @@ import numpy as np
 from mp_callbacks._backend import keras, tf
 from mp_callbacks._validation import FLOAT32_MAX, INT64_MAX, check_int, check_real, fail
 
-__all__ = ["DynamicLossScale", "STATE_VARIABLES"]
+__all__ = ["CheckedGradients", "DynamicLossScale", "STATE_VARIABLES"]
 
 _ONLY_FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
 # The hot-path methods branch only on Python values; AutoGraph has nothing
@@ -81,6 +81,27 @@ _LEGACY_NAMES = {
     "nonfinite_loss_count": "nonfinite_loss_steps",
     "divergent_count": "divergent_steps",
 }
+
+
+def _dense(value: Any) -> Any:
+    return value.values if isinstance(value, tf.IndexedSlices) else value
+
+
+def _half_sum_of_squares(grad: Any) -> tf.Tensor:
+    """sum(grad**2) / 2 in float32, one fused kernel (L2Loss); 0 for None."""
+    if grad is None:
+        return tf.constant(0.0, tf.float32)
+    grad = _dense(grad)
+    if grad.dtype != tf.float32:
+        grad = tf.cast(grad, tf.float32)  # float16 squares overflow at 256
+    return tf.nn.l2_loss(grad)
+
+
+class CheckedGradients(NamedTuple):
+    """What one pass over the gradients found (see `check_gradients`)."""
+
+    flags: tf.Tensor  #: int64 [n]: 1 where a gradient holds inf or NaN
+    global_norm: tf.Tensor  #: float32: global L2 norm (meaningful when all flags are 0)
 
 
 def _nonfinite_flag(value: Any) -> tf.Tensor:
@@ -340,6 +361,29 @@ class DynamicLossScale(tf.Module):
         return [unscale_one(g, keep) for g, keep in zip(grads, overwrite)]
 
     @_no_autograph
+    def check_gradients(self, grads: Sequence[Any]) -> CheckedGradients:
+        """One pass over `grads`: which hold inf or NaN, and their global norm.
+
+        Each gradient is read once, by one fused sum-of-squares kernel
+        (`tf.nn.l2_loss`), which gives the norm and, since inf and NaN
+        propagate through it, finiteness. Only when some sum is not finite
+        (an overflow, or squares beyond float32's range) does a second,
+        exact pass run, inside a `tf.cond`, to tell which gradients hold
+        inf or NaN; healthy steps never pay for it.
+        """
+        grads = list(grads)
+        if not grads:
+            return CheckedGradients(tf.zeros([0], tf.int64), tf.constant(0.0, tf.float32))
+        sums = tf.stack([_half_sum_of_squares(g) for g in grads])
+        all_finite = tf.reduce_all(tf.math.is_finite(sums))
+        flags = tf.cond(
+            all_finite,
+            lambda: tf.zeros([len(grads)], tf.int64),
+            lambda: tf.stack([_nonfinite_flag(g) for g in grads]),
+        )
+        return CheckedGradients(flags, tf.sqrt(2.0 * tf.reduce_sum(sums)))
+
+    @_no_autograph
     def apply_gradients(
         self,
         optimizer: keras.optimizers.Optimizer,
@@ -348,6 +392,7 @@ class DynamicLossScale(tf.Module):
         loss: Any = None,
         restore_on_skip: Sequence[tuple[Any, Any]] = (),
         update: bool = True,
+        checked: CheckedGradients | None = None,
     ) -> tf.Tensor:
         """Applies unscaled `grads` if all are finite; updates the state.
 
@@ -373,6 +418,8 @@ class DynamicLossScale(tf.Module):
                 applied step.
             update: advance the state machine now (True), or leave it to
                 one `update()` call after every optimizer of the step.
+            checked: the result of `check_gradients(grads)`, when the caller
+                already made that pass (for the norm): it is not made twice.
 
         Returns:
             A boolean scalar tensor: True if the gradients were applied.
@@ -396,9 +443,9 @@ class DynamicLossScale(tf.Module):
         if not optimizer.built:
             optimizer.build(variables)
 
-        flags = tf.stack(
-            [_nonfinite_flag(g) for g in grads] + [_nonfinite_flag(loss)]
-        )
+        if checked is None:
+            checked = self.check_gradients(grads)
+        flags = tf.concat([checked.flags, [_nonfinite_flag(loss)]], axis=0)
         replica_context = tf.distribute.get_replica_context()
         if replica_context is None:
             raise RuntimeError(

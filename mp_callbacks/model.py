@@ -298,8 +298,8 @@ class MixedPrecisionModel(keras.Model):
 
         Returns `((x, y, sample_weight), step)` as NumPy values, `step`
         counting the loss scale's steps from 0, or None when no step has
-        been skipped (or under a `tf.distribute` strategy, where batches are
-        not kept). `diagnose_batch(model, *batch)` replays it.
+        been skipped (or under a `tf.distribute` strategy or
+        `jit_compile=True`, where batches are not kept). `diagnose_batch(model, *batch)` replays it.
         """
         return self._kept_batch.read()
 
@@ -430,13 +430,20 @@ class MixedPrecisionModel(keras.Model):
             grad_norm = tf.constant(0.0)
         else:
             grads = loss_scale.unscale(tape.gradient(scaled_loss, variables), variables)
-            grad_norm = _global_norm_float32(
-                [g for g, v in zip(grads, variables) if not getattr(v, "overwrite_with_gradient", False)]
+            # One pass over the gradients gives both finiteness and the norm
+            # (float8 state variables' "gradients" are values: not counted).
+            checked = loss_scale.check_gradients(grads)
+            overwrite = [bool(getattr(v, "overwrite_with_gradient", False)) for v in variables]
+            grad_norm = checked.global_norm if not any(overwrite) else _global_norm_float32(
+                [g for g, skip in zip(grads, overwrite) if not skip]
             )
             if num_replicas > 1:
                 grad_norm = grad_norm * num_replicas
             restore = list(zip(forward_state, state_before))
-            if num_replicas == 1:
+            # XLA cannot reshape a variable, and under tf.distribute each
+            # replica has its own shard: the batch is kept only where a
+            # plain eager replay of it is meaningful.
+            if num_replicas == 1 and self.jit_compile is not True:
                 # The step number the batch would have had (0-based count
                 # of steps seen), kept with it on a skip.
                 restore += self._kept_batch.pairs(
@@ -444,6 +451,7 @@ class MixedPrecisionModel(keras.Model):
                 )
             applied = loss_scale.apply_gradients(
                 self.optimizer, grads, variables, loss=loss, restore_on_skip=restore,
+                checked=checked,
             )
         signals = self._epoch_signals
         signals.grad_norm.update_state(

@@ -51,3 +51,12 @@ def test_tuner_search_example(tmp_path):
     assert len(re.findall(r"^trial \d+: ", output, flags=re.M)) == 2
     assert "global policy after the search: float32" in output
     assert "best: {'dtype_policy'" in output
+
+
+def test_find_the_overflow_example_names_the_layer_and_trains_after_the_fix(tmp_path):
+    output = _run("find_the_overflow.py", "--samples", "256", "--epochs", "2", tmp_path=tmp_path)
+    assert "NonFiniteGradientError" in output
+    assert "origin: 'naive_softmax'" in output
+    assert "mp.with_float32_layers(model, ['naive_softmax'])" in output
+    skipped = re.search(r"skipped steps per epoch: \[(.*)\]", output).group(1)
+    assert [float(s) for s in skipped.split(",")] == [0.0, 0.0]

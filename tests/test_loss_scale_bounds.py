@@ -142,3 +142,19 @@ def test_one_table_names_every_state_key():
     loss_scale = DynamicLossScale()
     assert list(loss_scale.diagnostics()) == names
     assert list(loss_scale.get_state()) == names
+
+
+def test_one_pass_check_is_exact_for_huge_finite_and_non_finite_gradients():
+    loss_scale = DynamicLossScale()
+    grads = [tf.constant([3.0, 4.0]), tf.constant([1e20, 1.0]), None,
+             tf.constant([np.nan]), tf.constant([1.0], tf.float16)]
+    checked = loss_scale.check_gradients(grads)
+    # 1e20 squared overflows float32, yet that gradient is finite.
+    assert checked.flags.numpy().tolist() == [0, 0, 0, 1, 0]
+    healthy = loss_scale.check_gradients([tf.constant([3.0, 4.0]), tf.constant([12.0], tf.float16)])
+    assert healthy.flags.numpy().tolist() == [0, 0]
+    assert float(healthy.global_norm) == pytest.approx(13.0)
+    variable = tf.Variable([1.0, 1.0])
+    optimizer = keras.optimizers.SGD(1e-20)
+    assert bool(loss_scale.apply_gradients(optimizer, [tf.constant([1e20, 0.0])], [variable]))
+    np.testing.assert_allclose(variable.numpy(), [0.0, 1.0])

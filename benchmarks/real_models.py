@@ -1,0 +1,95 @@
+"""What does MixedPrecisionModel cost on real architectures?
+
+ResNet50 (keras.applications, weights=None, 32x32x3 inputs, 10 classes;
+214 trainable variables, 53 BatchNormalization layers) and a small
+Transformer encoder (Embedding, MultiHeadAttention, LayerNormalization,
+feed-forward), each trained with stock `keras.Model` and with
+`MixedPrecisionModel.from_model` on the same layers' copy, one epoch of
+`--steps` steps each in alternation (the order flips every round). Prints
+per-round ratios, their median and the best-epoch ratio (goal: <= 1.03).
+
+    python benchmarks/real_models.py                      # both, float32, 5 rounds
+    python benchmarks/real_models.py --model transformer --policy mixed_bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import types
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import mp_callbacks as mp  # noqa: E402
+from _timing import compare, report  # noqa: E402
+
+VOCABULARY, SEQUENCE = 1000, 64
+
+
+def resnet50():
+    return keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10)
+
+
+def transformer(width: int = 64, heads: int = 4):
+    tokens = keras.Input((SEQUENCE,), dtype="int32")
+    x = keras.layers.Embedding(VOCABULARY, width)(tokens)
+    for _ in range(2):
+        attended = keras.layers.MultiHeadAttention(heads, width // heads)(x, x)
+        x = keras.layers.LayerNormalization()(x + attended)
+        hidden = keras.layers.Dense(4 * width, activation="relu")(x)
+        x = keras.layers.LayerNormalization()(x + keras.layers.Dense(width)(hidden))
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    outputs = keras.layers.Dense(10, activation="softmax", dtype="float32")(x)
+    return keras.Model(tokens, outputs)
+
+
+def data_for(name: str, samples: int):
+    rng = np.random.default_rng(0)
+    if name == "resnet50":
+        x = rng.normal(size=(samples, 32, 32, 3)).astype("float32")
+    else:
+        x = rng.integers(0, VOCABULARY, size=(samples, SEQUENCE)).astype("int32")
+    y = rng.integers(0, 10, size=(samples,)).astype("int64")
+    return types.SimpleNamespace(x_train=x, y_train=y)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["resnet50", "transformer", "both"], default="both")
+    parser.add_argument("--policy", default="float32", choices=mp.POLICIES)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20, help="steps per epoch")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=0,
+                        help="TensorFlow intra- and inter-op threads (0: TensorFlow's default)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    keras.mixed_precision.set_global_policy(args.policy)
+    names = ["resnet50", "transformer"] if args.model == "both" else [args.model]
+    for name in names:
+        build = resnet50 if name == "resnet50" else transformer
+        data = data_for(name, args.steps * args.batch_size)
+        keras.utils.set_random_seed(0)
+        stock = build()
+        keras.utils.set_random_seed(0)
+        ours = mp.MixedPrecisionModel.from_model(build())
+        for model in (stock, ours):
+            model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy")
+        print(f"{name}: policy {args.policy}, {len(stock.trainable_variables)} trainable variables, "
+              f"{args.steps} steps of {args.batch_size} per epoch, {args.rounds} interleaved rounds, "
+              f"threads {args.threads or 'default'}; "
+              f"TensorFlow {tf.__version__}, Keras {keras.__version__}")
+        times = compare({"stock": (stock, []), "MixedPrecisionModel": (ours, [])},
+                        data, args.rounds, args.batch_size)
+        report(f"{name}: MixedPrecisionModel vs keras.Model (epoch time ratio)", times,
+               "stock", "MixedPrecisionModel")
+
+
+if __name__ == "__main__":
+    main()
