@@ -158,3 +158,18 @@ def test_one_pass_check_is_exact_for_huge_finite_and_non_finite_gradients():
     optimizer = keras.optimizers.SGD(1e-20)
     assert bool(loss_scale.apply_gradients(optimizer, [tf.constant([1e20, 0.0])], [variable]))
     np.testing.assert_allclose(variable.numpy(), [0.0, 1.0])
+
+
+def test_reset_divergence_latches_and_repr():
+    loss_scale = DynamicLossScale(initial_scale=1.0, min_scale=1.0, max_scale=4.0)
+    _step(loss_scale, finite=False)
+    _step(loss_scale, finite=False)
+    state = loss_scale.diagnostics()
+    assert state["divergent_run"] == 2 and state["max_divergent_run"] == 2
+    loss_scale.reset_divergence_latches()
+    state = loss_scale.diagnostics()
+    assert state["divergent_run"] == 0 and state["max_divergent_run"] == 0
+    assert state["divergent_steps"] == 2  # the total stays
+    assert repr(DynamicLossScale.fixed(8.0)) == "DynamicLossScale.fixed(8.0)"
+    assert repr(DynamicLossScale(initial_scale=4.0, growth_interval=7, hysteresis=2)) == (
+        "DynamicLossScale(initial_scale=4.0, growth_interval=7, hysteresis=2)")

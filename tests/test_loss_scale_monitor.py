@@ -79,3 +79,72 @@ def test_healthy_training_raises_no_warning(recwarn):
 def test_bad_arguments_are_named(kwargs, name):
     with pytest.raises(ValueError, match=f"`{name}`.*{name}="):
         mp.LossScaleMonitor(**kwargs)
+
+
+def _scale_model(**scale_kwargs):
+    model = tiny_classifier(loss_scale=mp.DynamicLossScale(**scale_kwargs))
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    return model
+
+
+def test_every_n_steps_records_exact_steps_and_epochs_across_fits():
+    x, y = classification_data(n=32)
+    model = _scale_model(initial_scale=8.0, growth_interval=3)
+    monitor = mp.LossScaleMonitor(every_n_steps=3)
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[monitor])  # 4 steps an epoch
+    # Growth after steps 3 and 6 (8 -> 16 -> 32); records every 3 steps and at epoch ends.
+    assert [(r["epoch"], r["step"], r["loss_scale"]) for r in monitor.history] == [
+        (0, 3, 16.0), (0, 4, 16.0), (1, 6, 32.0), (1, 8, 32.0)]
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[monitor])
+    # good_steps carries over (2 at the end of the first fit): growth at this
+    # fit's steps 1 and 4. Steps count from 1 again, as epochs do.
+    assert [(r["epoch"], r["step"], r["loss_scale"]) for r in monitor.history] == [
+        (0, 3, 64.0), (0, 4, 128.0)]
+    monitor.on_epoch_end(0)  # Keras always passes logs; a direct call must not fail
+
+
+def test_collapse_seen_at_an_inner_read_is_reported_at_epoch_end():
+    # Steps 1-2 overflow (4 -> 2 -> 1, the floor), step 3 grows to 2 and is
+    # read (every 3 steps); the scale then grows on: only the inner read saw 1.
+    x, y = classification_data(n=64)
+    x[:16] = np.nan
+    model = _scale_model(initial_scale=4.0, growth_interval=1, min_scale=1.0)
+    monitor = mp.LossScaleMonitor(every_n_steps=3, max_skipped_fraction=1.0)
+    with pytest.warns(mp.MixedPrecisionWarning, match=r"collapsed to 1 \(its minimum 1\) during epoch 1"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=[monitor])
+    assert monitor.history[0] == {"epoch": 0, "step": 3, "loss_scale": 2.0}
+
+
+def test_collapse_threshold_is_strict():
+    x, y = classification_data(n=16)
+    x[:8] = np.nan
+    model = _scale_model(initial_scale=4.0, min_scale=1.0)
+    monitor = mp.LossScaleMonitor(collapse_threshold=2.0, max_skipped_fraction=1.0)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=[monitor])
+    assert model.get_loss_scale() == 2.0  # one backoff: at the threshold, not below it
+    assert not [w for w in caught if "collapsed" in str(w.message)]
+    monitor_below = mp.LossScaleMonitor(collapse_threshold=2.5, max_skipped_fraction=1.0)
+    model2 = _scale_model(initial_scale=4.0, min_scale=1.0)
+    with pytest.warns(mp.MixedPrecisionWarning, match=r"collapsed to 2 \(below 2.5\)"):
+        model2.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=[monitor_below])
+
+
+def test_skipped_fraction_warning_is_strictly_above_the_limit():
+    x, y = classification_data(n=32)
+    x[:8] = np.nan  # 1 of 4 steps skipped: 25 %
+    import warnings
+
+    for limit, warns in ((0.25, False), (0.24, True)):
+        model = _scale_model(initial_scale=4.0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
+                      callbacks=[mp.LossScaleMonitor(max_skipped_fraction=limit)])
+        messages = [str(w.message) for w in caught if "were skipped" in str(w.message)]
+        assert bool(messages) == warns
+        if warns:
+            assert messages[0].startswith("1 of 4 steps (25%) were skipped in epoch 1")
