@@ -1,0 +1,25 @@
+"""The built wheel carries the license and the PEP 561 marker."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_wheel_contains_license_and_py_typed(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w",
+                    str(tmp_path), str(ROOT)], check=True, timeout=600, capture_output=True)
+    wheel = next(tmp_path.glob("mp_callbacks-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "mp_callbacks/py.typed" in names
+    assert any(name.endswith(".dist-info/licenses/LICENSE") or name.endswith(".dist-info/LICENSE")
+               for name in names), names
+    license_text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0" in license_text
