@@ -44,7 +44,13 @@ def main(argv=None) -> dict:
         keras.layers.Dense(10, activation="softmax", dtype="float32"),
     ])
     loss_fn = keras.losses.SparseCategoricalCrossentropy()
-    optimizer = LossScaleOptimizer(keras.optimizers.Adam())
+    if keras.mixed_precision.global_policy().compute_dtype == "float16":
+        optimizer = LossScaleOptimizer(keras.optimizers.Adam())  # dynamic scale
+    else:
+        # bfloat16 and float32 have float32's range: no scaling (a fixed
+        # scale of 1, as MixedPrecisionModel's "auto" chooses), but non-finite
+        # steps are still skipped.
+        optimizer = LossScaleOptimizer(keras.optimizers.Adam(), dynamic=False, initial_scale=1.0)
 
     @tf.function
     def train_step(x, y):

@@ -41,7 +41,10 @@ def test_custom_training_loop_example(tmp_path):
     output = _run("custom_training_loop.py", "--epochs", "2", "--train-samples", "2000", tmp_path=tmp_path)
     accuracies = [float(a) for a in re.findall(r"test accuracy (\d\.\d+)", output)]
     assert len(accuracies) == 2 and accuracies[-1] > 0.5
-    assert "loss scale 32768" in output
+    policy = re.search(r"policy: (\S+);", output).group(1)
+    # As fit's "auto": a dynamic scale only where layers compute in float16.
+    expected = "32768" if policy == "mixed_float16" else "1"
+    assert re.findall(r"loss scale (\S+),", output) == [expected, expected]
 
 
 @pytest.mark.slow
