@@ -432,3 +432,28 @@ def test_grad_norm_is_the_global_norm_of_the_unscaled_gradients():
     history = model.fit(x, y, batch_size=8, epochs=1, verbose=0).history
     assert history["grad_norm"][0] == pytest.approx(expected, rel=1e-5)
     assert expected > 0.01
+
+
+def test_get_config_names_auto_until_compile_then_the_resolved_scale():
+    inputs = keras.Input((3,))
+    model = mp.MixedPrecisionModel(inputs, keras.layers.Dense(1)(inputs))
+    assert model.get_config()["loss_scale"] == "auto"
+    model.compile("sgd", "mse")
+    config = model.get_config()["loss_scale"]
+    assert config["class_name"] == "DynamicLossScale"
+    assert config["config"]["initial_scale"] == 1.0 and config["config"]["max_scale"] == 1.0
+
+
+def test_set_loss_scale_replaces_the_scale_and_retraces():
+    x, y = classification_data(n=16)
+    model = tiny_classifier(loss_scale=4.0)
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=8, verbose=0)
+    assert model.get_loss_scale() == 4.0 and model.train_function is not None
+    model.set_loss_scale(mp.DynamicLossScale(initial_scale=64.0, growth_interval=1))
+    assert model.train_function is None
+    assert model.loss_scale.built  # counters for the built model's variables
+    history = model.fit(x, y, batch_size=8, verbose=0).history
+    assert history["loss_scale"] == [256.0]
+    model.set_loss_scale("auto")  # compiled: resolved at once
+    assert model.loss_scale.get_config()["max_scale"] == 1.0

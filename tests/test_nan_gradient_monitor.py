@@ -112,3 +112,47 @@ def test_origin_is_the_culprit_nearest_the_loss_when_several_are_bad():
     model.fit(x, y, batch_size=8, verbose=0, callbacks=[monitor])
     assert monitor.error.variables == ["early/kernel", "late/kernel"]
     assert monitor.error.origin == "late"
+
+
+def test_stock_model_loss_only_counts_consecutive_checks():
+    # Keras's batch logs carry the epoch's running mean loss: once a NaN
+    # batch is in, every later check of that epoch sees a NaN loss.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)])
+    model.compile("sgd", "mse")
+    x, _ = classification_data(n=32)
+    y = np.zeros((32, 2), "float32")
+    clean = model.fit(x, y, batch_size=8, epochs=1, verbose=0,
+                      callbacks=[monitor := mp.NaNGradientMonitor(patience=2, action="stop", check_every=1)])
+    assert monitor.error is None and len(clean.history["loss"]) == 1
+    y_bad = y.copy()
+    y_bad[16:] = np.nan  # the last two of the fit's eight batches
+    data = (np.concatenate([x, x]), np.concatenate([y, y_bad]))
+    model.fit(*data, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=[monitor])
+    error = monitor.error
+    assert error is not None and error.step == 8  # NaN from step 7; the second check in a row
+    assert error.variables == [] and error.origin is None and error.scale is None
+    assert "the loss was non-finite for at least 2 consecutive step(s)" in str(error)
+    assert "No gradient was non-finite at the checks; the loss itself was." in str(error)
+
+
+def test_without_a_kept_batch_the_origin_is_the_culprit_nearest_the_loss():
+    # Under jit_compile no batch is kept: the variable-based diagnosis names
+    # the layer of the last culprit in forward order.
+    from helpers import NaNGradientDense
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    hidden = NaNGradientDense(4, name="early")(inputs)
+    hidden = NaNGradientDense(4, name="late")(hidden)
+    outputs = keras.layers.Dense(3, name="head")(hidden)
+    model = mp.MixedPrecisionModel(inputs, outputs, loss_scale=None)
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
+    x, y = classification_data(n=16)
+    monitor = mp.NaNGradientMonitor(patience=1, action="stop", check_every=1)
+    model.fit(x, y, batch_size=8, verbose=0, callbacks=[monitor])
+    assert model.kept_batch() is None
+    assert monitor.error.report is None
+    assert monitor.error.variables == ["early/kernel", "late/kernel"]
+    assert monitor.error.origin == "late"
+    assert "most likely origin: layer 'late' (nearest the loss)" in str(monitor.error)
