@@ -97,6 +97,15 @@ def _half_sum_of_squares(grad: Any) -> tf.Tensor:
     return tf.nn.l2_loss(grad)
 
 
+class _Untracked:
+    """Holds the model's variables without making them the loss scale's:
+    a list set on a tf.Module would be walked into its `variables` and
+    written into its checkpoints."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+
+
 class CheckedGradients(NamedTuple):
     """What one pass over the gradients found (see `check_gradients`)."""
 
@@ -310,7 +319,7 @@ class DynamicLossScale(tf.Module):
                 name="nonfinite_gradient_counts",
             )
         self._variable_ids = ids
-        self._built_variables = variables
+        self._built = _Untracked(variables)
         self._variable_paths = [
             getattr(v, "path", None) or v.name for v in variables
         ]
@@ -436,8 +445,8 @@ class DynamicLossScale(tf.Module):
                 f"{len(grads)} gradients for {len(variables)} variables."
             )
         if self.built and not set(map(id, variables)) <= set(self._variable_ids):
-            known = {id(v) for v in self._built_variables}
-            self.build(self._built_variables + [v for v in variables if id(v) not in known])
+            known = {id(v) for v in self._built.items}
+            self.build(self._built.items + [v for v in variables if id(v) not in known])
         else:
             self.build(variables)
         if not optimizer.built:
@@ -521,7 +530,7 @@ class DynamicLossScale(tf.Module):
                 "optimizer first, then update() once."
             )
         pending, self._pending = self._pending, []
-        position = {id(v): i for i, v in enumerate(self._built_variables)}
+        position = {id(v): i for i, v in enumerate(self._built.items)}
         per_variable = [tf.constant(0, tf.int64)] * len(position)
         loss_flags = []
         for variables, flags in pending:
@@ -550,14 +559,14 @@ class DynamicLossScale(tf.Module):
     def _full_flags(self, variables: list[Any], flags: tf.Tensor) -> tf.Tensor:
         """`flags` (one per variable, then the loss) laid out over every
         built variable, when the step covered only some of them."""
-        if len(variables) == len(self._built_variables) and all(
-            a is b for a, b in zip(variables, self._built_variables)
+        if len(variables) == len(self._built.items) and all(
+            a is b for a, b in zip(variables, self._built.items)
         ):
             return flags
         position = {id(v): i for i, v in enumerate(variables)}
         zero = tf.constant(0, tf.int64)
         return tf.stack(
-            [flags[position[id(v)]] if id(v) in position else zero for v in self._built_variables]
+            [flags[position[id(v)]] if id(v) in position else zero for v in self._built.items]
             + [flags[-1]]
         )
 

@@ -173,3 +173,92 @@ def test_reset_divergence_latches_and_repr():
     assert repr(DynamicLossScale.fixed(8.0)) == "DynamicLossScale.fixed(8.0)"
     assert repr(DynamicLossScale(initial_scale=4.0, growth_interval=7, hysteresis=2)) == (
         "DynamicLossScale(initial_scale=4.0, growth_interval=7, hysteresis=2)")
+
+
+def test_loss_scale_from_argument_every_branch():
+    from mp_callbacks.loss_scale import loss_scale_from_argument
+
+    assert loss_scale_from_argument("auto") is None
+    given = DynamicLossScale(initial_scale=8.0)
+    assert loss_scale_from_argument(given) is given
+    disabled = loss_scale_from_argument(None)
+    assert not disabled.scaling_active and disabled.get_scale() == 1.0
+    fixed = loss_scale_from_argument(np.float32(64))
+    assert not fixed.is_dynamic and fixed.get_scale() == 64.0 and fixed.min_scale == 64.0
+    revived = loss_scale_from_argument(keras.saving.serialize_keras_object(given))
+    assert isinstance(revived, DynamicLossScale) and revived.get_config() == given.get_config()
+    for value, error in (("dynamic", ValueError), (0, ValueError), (-2.0, ValueError), (1e39, ValueError),
+                         (True, TypeError), ([], TypeError), ({}, TypeError), (object(), TypeError)):
+        with pytest.raises(error, match=r"^Owner: `loss_scale` must be") as caught:
+            loss_scale_from_argument(value, owner="Owner")
+        assert "loss_scale=" in str(caught.value)
+
+
+def test_fixed_and_disabled_scales():
+    fixed = DynamicLossScale.fixed(8.0)
+    assert fixed.name == "fixed_loss_scale" and (fixed.min_scale, fixed.max_scale) == (8.0, 8.0)
+    assert not fixed.is_dynamic and fixed.scaling_active
+    disabled = DynamicLossScale.disabled()
+    assert disabled.name == "no_loss_scale" and disabled.initial_scale == 1.0
+    assert not disabled.scaling_active and not disabled.is_dynamic
+    assert DynamicLossScale.fixed(2.0, name="mine").name == "mine"
+    loss = tf.constant(3.0)
+    assert disabled.scale(loss) is loss and float(fixed.scale(loss)) == 24.0
+
+
+def test_state_round_trip_types_and_partial_restores():
+    loss_scale = DynamicLossScale(initial_scale=4.0)
+    state = loss_scale.diagnostics()
+    assert all(type(state[name]) is int for name in ("step_count", "skipped_steps", "good_steps"))
+    assert type(state["scale"]) is float and type(state["lowest_scale"]) is float
+    assert "nonfinite_counts" not in loss_scale.get_state()
+    loss_scale.set_state(loss_scale.get_state())  # zeros are valid counters
+    variable = tf.Variable([1.0])
+    _step(loss_scale, finite=False, variable=variable)
+    saved = loss_scale.get_state()
+    assert saved["nonfinite_counts"].tolist() == [1]
+    other = DynamicLossScale(initial_scale=4.0)
+    other.build([tf.Variable([0.0])])
+    # A misshapen entry is skipped, and the entries after it still restore.
+    other.set_state({"scale": np.array([1.0, 2.0], "float32"), "good_steps": 3.0,
+                     "skipped_steps": np.int64(1), "nonfinite_counts": saved["nonfinite_counts"],
+                     "lowest_scale": np.float32(0.5)})
+    restored = other.diagnostics()
+    assert restored["scale"] == 4.0 and restored["good_steps"] == 3 and restored["skipped_steps"] == 1
+    assert restored["lowest_scale"] == 0.5
+    assert list(other.nonfinite_gradient_counts().values()) == [1]
+    other.set_state({"scale": np.float32(0.5)})  # below 1 is a valid scale
+    assert other.get_scale() == 0.5
+    with pytest.raises(ValueError, match="lowest_scale"):
+        other.set_state({"lowest_scale": np.float32(np.inf)})
+
+
+def test_fused_check_handles_sparse_low_precision_and_missing_gradients():
+    loss_scale = DynamicLossScale()
+    sparse = tf.IndexedSlices(tf.constant([[3.0, 4.0]]), tf.constant([1]), tf.constant([4, 2]))
+    checked = loss_scale.check_gradients([sparse, None, tf.constant([300.0], tf.float16)])
+    assert checked.flags.numpy().tolist() == [0, 0, 0]  # 300**2 overflows float16, not float32
+    assert float(checked.global_norm) == pytest.approx(float(np.sqrt(25 + 300**2)))
+    bad_sparse = tf.IndexedSlices(tf.constant([[np.inf, 0.0]]), tf.constant([0]), tf.constant([4, 2]))
+    assert loss_scale.check_gradients([bad_sparse, None]).flags.numpy().tolist() == [1, 0]
+    assert loss_scale.check_gradients([]).flags.shape == (0,)
+
+
+def test_state_variables_are_untrainable_single_copies_with_stable_names():
+    loss_scale = DynamicLossScale()
+    assert loss_scale.name == "dynamic_loss_scale"
+    a, b = tf.Variable([1.0], name="a"), tf.Variable([2.0], name="b")
+    loss_scale.build([a, b])
+    assert loss_scale.trainable_variables == ()
+    names = sorted(v.name.split("/")[-1].split(":")[0] for v in loss_scale.variables)
+    assert names == sorted([spec.name for spec in mp.loss_scale.STATE_VARIABLES]
+                           + ["nonfinite_gradient_counts"])
+    # One value shared by every replica, updated after one all-reduced decision.
+    assert {v.aggregation for v in loss_scale.variables} == {tf.VariableAggregation.ONLY_FIRST_REPLICA}
+    optimizer = keras.optimizers.SGD(0.1)
+    loss_scale.apply_gradients(optimizer, [tf.constant([np.nan]), tf.constant([1.0])], [a, b])
+    counters = loss_scale._nonfinite_counts
+    loss_scale.build([b, a])  # the same variables in another order: kept
+    loss_scale.build([a])  # a subset: kept
+    assert loss_scale._nonfinite_counts is counters
+    assert list(loss_scale.nonfinite_gradient_counts().values()) == [1, 0]
