@@ -262,3 +262,21 @@ def test_state_variables_are_untrainable_single_copies_with_stable_names():
     loss_scale.build([a])  # a subset: kept
     assert loss_scale._nonfinite_counts is counters
     assert list(loss_scale.nonfinite_gradient_counts().values()) == [1, 0]
+
+
+def test_loss_scale_argument_errors_say_exactly_what_is_accepted():
+    from mp_callbacks.loss_scale import loss_scale_from_argument
+
+    general = ("'auto', a DynamicLossScale, a positive number (fixed scale) or None "
+               "(no scaling)")
+    cases = [
+        ("dynamic", ValueError, f"Owner: `loss_scale` must be {general}; received loss_scale='dynamic'."),
+        ([], TypeError, f"Owner: `loss_scale` must be {general}; received loss_scale=[]."),
+        (0, ValueError, "Owner: `loss_scale` must be a finite number > 0 when it is a fixed scale; "
+                        "received loss_scale=0."),
+    ]
+    for value, error, message in cases:
+        with pytest.raises(error) as caught:
+            loss_scale_from_argument(value, owner="Owner")
+        assert str(caught.value) == message
+    assert loss_scale_from_argument(0.5).get_scale() == 0.5  # any positive fixed scale

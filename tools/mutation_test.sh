@@ -6,12 +6,15 @@
 #
 #   tools/mutation_test.sh loss_scale            # about 7 minutes on 2 cores
 #   tools/mutation_test.sh loss_scale_monitor    # likewise nan_gradient_monitor, epoch_timer, model
+#   KEEP=1 tools/mutation_test.sh loss_scale "*from_argument*"   # some mutants; keep the copy
+#                                                # (then: cd <copy> && mutmut show NAME)
 #
 # setup.cfg's [mutmut] section holds the shared settings (fork server,
 # message text and logging not mutated); this script picks the module and
 # its tests. "No tests" mutants count as survivors.
 set -euo pipefail
-module="${1:?usage: tools/mutation_test.sh loss_scale|loss_scale_monitor|nan_gradient_monitor|epoch_timer|model}"
+module="${1:?usage: tools/mutation_test.sh loss_scale|loss_scale_monitor|nan_gradient_monitor|epoch_timer|model [MUTANT_GLOB]}"
+glob="${2:-}"
 case "$module" in
   loss_scale) tests="tests/test_loss_scale.py tests/test_loss_scale_bounds.py tests/test_contracts.py" ;;
   loss_scale_monitor) tests="tests/test_loss_scale_monitor.py tests/test_callback_reuse.py tests/test_callbacks_integration.py" ;;
@@ -23,7 +26,7 @@ esac
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 python -m pip install --quiet "mutmut==3.8.1"
 work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
+if [ -n "${KEEP:-}" ]; then echo "scratch copy: $work"; else trap 'rm -rf "$work"' EXIT; fi
 (cd "$repo" && git ls-files -z | tar --null -cf - -T -) | tar -xf - -C "$work"
 cp "$repo"/tests/*.py "$work/tests/"  # the tests as they are now, committed or not
 cd "$work"
@@ -36,7 +39,7 @@ text = re.sub(r"pytest_add_cli_args_test_selection =\n(    .*\n)+",
               "pytest_add_cli_args_test_selection =\n" + "".join(f"    {t}\n" for t in tests), text)
 open("setup.cfg", "w").write(text)
 PY
-mutmut run > mutmut-run.log 2>&1 || { tail -20 mutmut-run.log; exit 1; }
+mutmut run ${glob:+"mp_callbacks.$module.$glob"} > mutmut-run.log 2>&1 || { tail -20 mutmut-run.log; exit 1; }
 mutmut results --all true > results.txt 2>/dev/null
 python - "$module" <<'PY'
 import collections, re, sys
