@@ -339,10 +339,13 @@ class LossScaleOptimizer(keras.optimizers.Optimizer):
     def scale_loss(self, loss: Any) -> Any:
         # Keras 3's stock train_step would pass scaled gradients to
         # apply_gradients, which here takes unscaled ones: do not scale.
+        # Being asked means Keras's own fit drives this wrapper, which then
+        # only skips non-finite steps: not a forgotten scaling.
+        self._driven_by_keras_fit = True
         return loss
 
     def _warn_about_scaling(self) -> None:
-        if not self.dynamic_loss_scale.scaling_active:
+        if not self.dynamic_loss_scale.scaling_active or self.__dict__.get("_driven_by_keras_fit"):
             return
         if self._loss_has_been_scaled and self._gradients_have_been_unscaled:
             return

@@ -324,3 +324,18 @@ def test_an_overflow_in_one_optimizer_skips_that_optimizer_only():
 def test_update_without_a_pending_step_is_an_error():
     with pytest.raises(RuntimeError, match="update=False"):
         mp.DynamicLossScale().update()
+
+
+def test_no_forgotten_scaling_warning_when_keras_fit_drives_the_wrapper():
+    import warnings
+
+    x, y = classification_data(n=16)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    model.compile(LossScaleOptimizer(keras.optimizers.SGD(0.1)),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=8, verbose=0)
+    assert not [w for w in caught if "You forgot to call" in str(w.message)]
+    assert int(model.optimizer.iterations.numpy()) == 2

@@ -11,7 +11,8 @@ import pytest
 import mp_callbacks as mp
 
 DOCUMENTED = [mp.DynamicLossScale, mp.MixedPrecisionModel, mp.LossScaleMonitor,
-              mp.NaNGradientMonitor, mp.EpochTimer, mp.LossScaleOptimizer]
+              mp.NaNGradientMonitor, mp.EpochTimer, mp.LossScaleOptimizer,
+              mp.HeadroomMonitor, mp.diagnose_batch, mp.with_float32_layers]
 
 
 @pytest.mark.parametrize("cls", DOCUMENTED, ids=lambda c: c.__name__)

@@ -14,6 +14,11 @@ import pytest
 import mp_callbacks as mp
 from helpers import classification_data, tiny_classifier
 
+# Tiny layers (4 units) keep float16 cheap on CPU; compile's check_model
+# hint about Tensor-Core sizes is expected here and tested in test_model_checks.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:check_model found:mp_callbacks.errors.MixedPrecisionWarning")
+
 
 def _bn_model(policy: str, units: int = 4):
     keras.config.set_dtype_policy(policy)
