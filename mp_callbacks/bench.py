@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from mp_callbacks._backend import keras, tf
+from mp_callbacks._native_stderr import is_startup_noise
 
 __all__ = ["BenchSettings", "BenchError", "compare", "run_policy", "QUICK"]
 
@@ -141,17 +142,29 @@ def run_in_subprocess(policy: str, settings: BenchSettings) -> dict[str, Any]:
         result_path = os.path.join(directory, "result.json")
         request = json.dumps({"policy": policy, "settings": asdict(settings), "out": result_path})
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-        completed = subprocess.run(
+        # The child's stderr is read here line by line: TensorFlow's C++
+        # start-up lines are dropped (TF_CPP_MIN_LOG_LEVEL does not silence
+        # them all), everything else is shown as it comes, unless quiet.
+        process = subprocess.Popen(
             [sys.executable, "-m", "mp_callbacks.bench", request],
             env=env,
             stdout=subprocess.DEVNULL if settings.quiet else None,
-            stderr=subprocess.PIPE if settings.quiet else None,
+            stderr=subprocess.PIPE,
             text=True,
+            errors="replace",
         )
-        if completed.returncode != 0 or not os.path.exists(result_path):
-            detail = (completed.stderr or "").strip().splitlines()[-1:] if settings.quiet else []
+        kept: list[str] = []
+        for line in process.stderr:
+            if is_startup_noise(line) or not line.strip():
+                continue
+            kept.append(line.rstrip("\n"))
+            if not settings.quiet:
+                sys.stderr.write(line)
+        returncode = process.wait()
+        if returncode != 0 or not os.path.exists(result_path):
+            detail = kept[-1:] if settings.quiet else []
             raise BenchError(
-                f"the {policy} run failed (exit code {completed.returncode})"
+                f"the {policy} run failed (exit code {returncode})"
                 + (f": {detail[0]}" if detail else "; see the output above")
             )
         with open(result_path, encoding="utf-8") as handle:

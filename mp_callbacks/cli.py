@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=_PROG,
         description="Mixed precision for Keras, measured on your own hardware.",
     )
+    parser.add_argument("--version", action="version", version=f"{_PROG} {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="{bench,doctor}", parser_class=_OneLineParser)
     commands.required = True
 
@@ -50,8 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="train one model under each dtype policy and compare time, memory and accuracy",
         description=(
             "Train the same model under each dtype policy, each in its own process, "
-            "with MixedPrecisionModel and the three callbacks, and print the TensorFlow mixed-precision guide's "
-            "guide's comparison table for this machine."
+            "with MixedPrecisionModel and the three callbacks, and print the comparison "
+            "table of the TensorFlow mixed-precision guide (time, memory, accuracy) for this machine."
         ),
     )
     bench.add_argument("--policies", nargs="+", metavar="POLICY",
@@ -91,19 +92,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("mp_callbacks")
+    except metadata.PackageNotFoundError:  # running from a checkout
+        return "0+unknown"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    _show_progress(not getattr(args, "quiet", True))
-    from mp_callbacks.bench import BenchError
-    from mp_callbacks.data import DatasetError
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is imported
+    from mp_callbacks import _native_stderr
 
-    try:
-        return args.handler(args)
-    except (BenchError, DatasetError) as error:
-        print(f"{_PROG}: error: {error}", file=sys.stderr)
-        return 2
+    with _native_stderr.filtered():
+        _show_progress(not getattr(args, "quiet", True))
+        from mp_callbacks.bench import BenchError
+        from mp_callbacks.data import DatasetError
+
+        try:
+            return args.handler(args)
+        except (BenchError, DatasetError) as error:
+            print(f"{_PROG} {args.command}: error: {error}", file=sys.stderr)
+            return 2
 
 
 def _show_progress(enabled: bool) -> None:
@@ -169,10 +183,39 @@ def _validate_data(settings) -> str:
     return data.description
 
 
+_OUTPUT_SUFFIXES = {
+    "json": (".json",),
+    "markdown": (".md", ".markdown"),
+    "plot": (".png", ".svg", ".pdf"),
+}
+
+
+def check_output_path(flag: str, path: str) -> None:
+    """Refuses, before any training, an output path that cannot be written:
+    a wrong extension, a folder that does not exist (none is created), a
+    folder or file that is not writable, or a folder given as the file."""
+    from mp_callbacks.bench import BenchError
+
+    suffixes = _OUTPUT_SUFFIXES[flag]
+    if not path.lower().endswith(suffixes):
+        raise BenchError(f"--{flag} {path}: the file name must end with {' or '.join(suffixes)}")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise BenchError(f"--{flag} {path}: the folder {directory} does not exist")
+    if os.path.isdir(path):
+        raise BenchError(f"--{flag} {path}: is a folder, not a file")
+    target = path if os.path.exists(path) else directory
+    if not os.access(target, os.W_OK):
+        raise BenchError(f"--{flag} {path}: {target} is not writable")
+
+
 def _bench(args: argparse.Namespace) -> int:
     from mp_callbacks.bench import compare
     from mp_callbacks.hardware import CPU_FLOAT16_SLOWDOWN, inspect_hardware
 
+    for flag in ("json", "markdown", "plot"):
+        if getattr(args, flag):
+            check_output_path(flag, getattr(args, flag))
     if args.plot:
         _require_matplotlib()
     report = inspect_hardware()
@@ -194,7 +237,7 @@ def _bench(args: argparse.Namespace) -> int:
     data_description = _validate_data(settings)
     if not args.quiet:
         print(
-            f"{_PROG} bench: model {settings.model}, {settings.epochs} epochs, batch "
+            f"{_PROG} bench: model {settings.model}, {_plural(settings.epochs, 'epoch')}, batch "
             f"{settings.batch_size}, policies {', '.join(policies)}; device: "
             f"{report.device_summary()}",
             file=sys.stderr,
@@ -203,7 +246,7 @@ def _bench(args: argparse.Namespace) -> int:
     data_description = results[0].get("data", data_description)
 
     header = (
-        f"{settings.model} on {data_description}; {settings.epochs} epochs, batch "
+        f"{settings.model} on {data_description}; {_plural(settings.epochs, 'epoch')}, batch "
         f"{settings.batch_size}, best of {settings.repeats} run(s) per policy; "
         f"device: {report.device_summary()}"
     )
@@ -212,6 +255,8 @@ def _bench(args: argparse.Namespace) -> int:
     if skipped:
         for item in skipped:
             print(f"(mixed_float16 not run: {item['reason']})")
+    # Everything is computed: a failed write must not lose the other outputs.
+    failures: list[str] = []
     if args.json:
         document = {
             "results": results,
@@ -223,12 +268,21 @@ def _bench(args: argparse.Namespace) -> int:
             "data": data_description,
             "settings": dataclasses.asdict(settings),
         }
-        _write(args.json, json.dumps(document, indent=2))
+        _write(args.json, json.dumps(document, indent=2), failures)
     if args.markdown:
-        _write(args.markdown, header + "\n\n" + format_table(results, markdown=True) + "\n")
+        _write(args.markdown, header + "\n\n" + format_table(results, markdown=True) + "\n", failures)
     if args.plot:
-        plot_results(results, args.plot, title=f"{settings.model}: {report.device_summary()}")
-    return 0
+        try:
+            plot_results(results, args.plot, title=f"{settings.model}: {report.device_summary()}")
+        except (OSError, ValueError) as error:
+            failures.append(f"cannot write {args.plot}: {error}")
+    for failure in failures:
+        print(f"{_PROG} bench: error: {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
 _COLUMNS = (
@@ -313,16 +367,12 @@ def _versions() -> dict[str, str]:
     }
 
 
-def _write(path: str, text: str) -> None:
-    from mp_callbacks.bench import BenchError
-
+def _write(path: str, text: str, failures: list[str]) -> None:
     try:
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
         with open(path, "w", encoding="utf-8") as handle:
             handle.write(text)
     except OSError as error:
-        raise BenchError(f"cannot write {path}: {error.strerror}") from error
+        failures.append(f"cannot write {path}: {error.strerror}")
 
 
 # ---------------------------------------------------------------- doctor
