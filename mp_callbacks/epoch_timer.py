@@ -62,7 +62,7 @@ class EpochTimer(ConfigCopyMixin, keras.callbacks.Callback):
                                    requirement="None or an integer >= 1")
         self.time_validation = check_bool("EpochTimer", "time_validation", time_validation)
         self.batch_size = batch_size
-        self.async_safe = True
+        self.async_safe = True  # pragma: no mutate (a scheduling hint)
         self.records: list[dict[str, Any]] = []
         self._clock = time.perf_counter
         self._in_epoch = False

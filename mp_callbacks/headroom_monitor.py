@@ -87,7 +87,7 @@ class HeadroomMonitor(ConfigCopyMixin, keras.callbacks.Callback):
                             f"received layers={layers!r}.")
         self.layers = list(layers) if layers is not None else None
         self.history: list[dict[str, Any]] = []
-        self.async_safe = True
+        self.async_safe = True  # pragma: no mutate (a scheduling hint)
         self._steps = 0
         self._epoch = 0
         self._epoch_max: dict[str, float] = {}

@@ -92,11 +92,16 @@ class LossScaleMonitor(ConfigCopyMixin, keras.callbacks.Callback):
         self.every_n_steps = every_n_steps
         self.collapse_threshold = collapse_threshold
         self.max_skipped_fraction = float(max_skipped_fraction)
-        self.history: list[dict[str, Any]] = []
         # Batch hooks only count steps (no tensor reads between N-step
         # records), so Keras may keep dispatching them asynchronously.
-        self.async_safe = True
-        self._source = LossScaleSource("none")
+        self.async_safe = True  # pragma: no mutate (a scheduling hint)
+        self._reset(LossScaleSource("none"))
+
+    def _reset(self, source: LossScaleSource) -> None:
+        """Everything is per fit, as in keras.callbacks.History: a monitor
+        reused across fits or models never reports an earlier run's scale."""
+        self.history: list[dict[str, Any]] = []
+        self._source = source
         self._steps_before_epoch = 0
         self._epoch_steps = 0
         self._last_recorded_step = 0
@@ -114,13 +119,7 @@ class LossScaleMonitor(ConfigCopyMixin, keras.callbacks.Callback):
 
     # ------------------------------------------------------------- hooks
     def on_train_begin(self, logs=None):
-        # Everything is per fit, as in keras.callbacks.History: a monitor
-        # reused across fits or models never reports an earlier run's scale.
-        self.history = []
-        self._source = LossScaleSource.of(self.model)
-        self._steps_before_epoch = 0
-        self._last_recorded_step = 0
-        self._collapsed = False
+        self._reset(LossScaleSource.of(self.model))
         if self._source.kind == "mp":
             self._source.loss_scale.reset_lowest_scale()
         if not self._source.active:

@@ -85,7 +85,7 @@ class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
         self.patience = patience
         self.action = action
         self.check_every = check_every
-        self.async_safe = True  # batch hooks count steps; reads are periodic
+        self.async_safe = True  # pragma: no mutate (batch hooks count steps; reads are periodic)
         self.nonfinite_steps = 0
         self.handled_steps = 0
         self.error: NonFiniteGradientError | None = None

@@ -17,9 +17,9 @@ module="${1:?usage: tools/mutation_test.sh loss_scale|loss_scale_monitor|nan_gra
 glob="${2:-}"
 case "$module" in
   loss_scale) tests="tests/test_loss_scale.py tests/test_loss_scale_bounds.py tests/test_contracts.py" ;;
-  loss_scale_monitor) tests="tests/test_loss_scale_monitor.py tests/test_callback_reuse.py tests/test_callbacks_integration.py" ;;
-  nan_gradient_monitor) tests="tests/test_nan_gradient_monitor.py tests/test_callback_reuse.py tests/test_diagnosis.py" ;;
-  epoch_timer) tests="tests/test_epoch_timer.py tests/test_callback_reuse.py tests/test_callbacks_integration.py" ;;
+  loss_scale_monitor) tests="tests/test_callback_arguments.py tests/test_loss_scale_monitor.py tests/test_callback_reuse.py tests/test_callbacks_integration.py" ;;
+  nan_gradient_monitor) tests="tests/test_callback_arguments.py tests/test_nan_gradient_monitor.py tests/test_callback_reuse.py tests/test_diagnosis.py" ;;
+  epoch_timer) tests="tests/test_callback_arguments.py tests/test_epoch_timer.py tests/test_callback_reuse.py tests/test_callbacks_integration.py" ;;
   model) tests="tests/test_model.py tests/test_model_state.py tests/test_contracts.py tests/test_diagnosis.py" ;;
   *) echo "tools/mutation_test.sh: error: unknown module '$module'" >&2; exit 2 ;;
 esac
