@@ -1,4 +1,4 @@
-"""Every private Keras internal that mp_callbacks relies on, in one place.
+"""Every private Keras (and TensorFlow) internal mp_callbacks relies on, in one place.
 
 Keras 3 does not promise these names; each is listed in `INTERNALS` with
 the Keras versions it was checked on, and `tests/test_keras_internals.py`
@@ -62,6 +62,19 @@ def _epoch_iterator() -> bool:
     return batch is not None and tuple(np.shape(batch[0] if isinstance(batch, tuple) else batch)) == (2, 1)
 
 
+def _layer_walk() -> bool:
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, keras.layers.Dense(1, name="d")(inputs))
+    names = [layer.name for layer in model._flatten_layers(include_self=False, recursive=True)]
+    return "d" in names and hasattr(model, "_run_through_graph")
+
+
+def _multi_worker_mode_flag() -> bool:
+    from tensorflow.python.distribute import collective_all_reduce_strategy
+
+    return hasattr(collective_all_reduce_strategy.CollectiveAllReduceExtended, "_in_multi_worker_mode")
+
+
 def _has(obj: Any, *names: str) -> bool:
     return all(hasattr(obj, name) for name in names)
 
@@ -114,6 +127,12 @@ INTERNALS = (
              "model.py train_step; epoch_timer.py sample count", _model_private_api),
     Internal("keras.src.backend.tensorflow.trainer.TFEpochIterator.enumerate_epoch items end with the batches",
              "model.py _maybe_symbolic_build under MultiWorkerMirroredStrategy", _epoch_iterator),
+    Internal("TensorFlow CollectiveAllReduceExtended._in_multi_worker_mode",
+             "model.py: logs shaped [1] only under a real multi-worker strategy", _multi_worker_mode_flag),
+    Internal("Layer._flatten_layers(include_self, recursive), Functional._run_through_graph",
+             "model.py, model_checks.py, diagnosis.py (finding every layer)", _layer_walk),
+    Internal("Layer._dtype_policy (swapped for the float32 replay)",
+             "diagnosis.py computing_in_float32", lambda: hasattr(keras.layers.Dense(1), "_dtype_policy")),
     Internal("KerasTensor._keras_history, Layer._inbound_nodes[].input_tensors",
              "model_checks.py (walking the layer graph)", _layer_graph),
 )
