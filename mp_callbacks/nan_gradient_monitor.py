@@ -137,7 +137,7 @@ class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         logs = logs if logs is not None else {}
         step = self._steps_before_epoch + self._epoch_steps
-        if step != self._last_check_step or not self._last_state:
+        if step != self._last_check_step:  # a step is judged once
             self._check(step, logs)
         self._steps_before_epoch = step
         if self._loss_scale is not None:
@@ -226,7 +226,7 @@ class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
                 located = ("Every layer output of the replayed batch is finite but the loss is "
                            "not: check the labels and the loss function.")
             else:
-                forward = origin == report.first_nonfinite_layer and not report.loss_finite
+                forward = origin == report.first_nonfinite_layer
                 located = (
                     f"Non-finite values first appear in layer {origin!r} ("
                     + ("forward pass: its output overflowed" if forward

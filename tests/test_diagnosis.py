@@ -203,3 +203,18 @@ def test_headroom_monitor_logs_every_layer_and_warns_before_overflow():
     assert {"headroom/pre", "headroom/boost", "headroom/head"} <= set(history.history)
     last = monitor.history[-1]["headroom"]
     assert last["boost"] == pytest.approx(probe_max * 2e4 / 65504.0, rel=5e-3)
+
+
+def test_the_replay_uses_the_kept_sample_weights():
+    model = _float16_model(lambda: AmplifyGradient(name="amplify"), loss_scale=None)
+    x, y = _data()
+    weights = np.linspace(0.1, 2.0, len(x)).astype("float32")
+    with pytest.raises(mp.NonFiniteGradientError) as caught:
+        model.fit(x, y + 1.0, sample_weight=weights, batch_size=8, epochs=1, verbose=0, shuffle=False,
+                  callbacks=[mp.NaNGradientMonitor(patience=1, action="raise", check_every=1)])
+    (kept_x, kept_y, kept_weights), _ = model.kept_batch()
+    np.testing.assert_array_equal(kept_weights, weights[:8])
+    weighted = mp.diagnose_batch(model, kept_x, kept_y, kept_weights).loss
+    unweighted = mp.diagnose_batch(model, kept_x, kept_y).loss
+    assert caught.value.report.loss == pytest.approx(weighted) and weighted != pytest.approx(unweighted)
+    assert "mp_callbacks.with_float32_layers(model, ['amplify'])" in str(caught.value)

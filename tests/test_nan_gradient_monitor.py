@@ -156,3 +156,50 @@ def test_without_a_kept_batch_the_origin_is_the_culprit_nearest_the_loss():
     assert monitor.error.variables == ["early/kernel", "late/kernel"]
     assert monitor.error.origin == "late"
     assert "most likely origin: layer 'late' (nearest the loss)" in str(monitor.error)
+
+
+def _stock_regression():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)])
+    model.compile("sgd", "mse")
+    return model
+
+
+def test_a_step_is_judged_once_even_when_an_epoch_ends_on_it():
+    # One NaN step, the epoch's last: patience 2 must not count it twice
+    # (once at its batch check, once at the epoch end).
+    x, _ = classification_data(n=32)
+    y = np.zeros((32, 2), "float32")
+    y[24:] = np.nan
+    model = _stock_regression()
+    lenient = mp.NaNGradientMonitor(patience=2, action="stop", check_every=1)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=[lenient])
+    assert lenient.error is None
+    strict = mp.NaNGradientMonitor(patience=1, action="stop", check_every=1)
+    model = _stock_regression()  # a stock model applied the NaN step: start afresh
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=[strict])
+    assert strict.error is not None and strict.error.step == 4
+    strict.on_epoch_end(0)  # Keras always passes logs; a direct call must not fail
+
+
+def test_a_non_finite_loss_with_finite_layer_outputs_points_at_the_labels():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    outputs = keras.layers.Dense(2, name="head")(inputs)
+    model = mp.MixedPrecisionModel(inputs, outputs, loss_scale=None)
+    model.compile("sgd", "mse")
+    x, _ = classification_data(n=8)
+    y = np.zeros((8, 2), "float32")
+    y[3, 1] = np.nan
+    monitor = mp.NaNGradientMonitor(patience=1, action="stop", check_every=1)
+    model.fit(x, y, batch_size=8, verbose=0, callbacks=[monitor])
+    assert monitor.error.origin == "loss"
+    assert ("Every layer output of the replayed batch is finite but the loss is not: "
+            "check the labels and the loss function.") in str(monitor.error)
+
+
+def test_layer_of_a_variable_path():
+    from mp_callbacks.nan_gradient_monitor import _layer_of
+
+    assert _layer_of("outer/inner/kernel") == "outer/inner"
+    assert _layer_of("kernel") == "kernel"
