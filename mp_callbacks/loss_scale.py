@@ -71,7 +71,7 @@ STATE_VARIABLES = (
     ),
     _StateVariable(
         "lowest_scale", tf.float32,
-        "the lowest scale reached since the last reset_lowest_scale()",
+        "the lowest scale a step reached since the last reset_lowest_scale()",
     ),
 )
 _COUNTERS = tuple(v.name for v in STATE_VARIABLES if v.dtype == tf.int64)
@@ -681,8 +681,10 @@ class DynamicLossScale(tf.Module):
         self._state["max_divergent_run"].assign(self._state["divergent_run"])
 
     def reset_lowest_scale(self) -> None:
-        """Restarts the `lowest_scale` latch from the current scale."""
-        self._state["lowest_scale"].assign(self._scale)
+        """Restarts the `lowest_scale` latch: it then holds the lowest scale
+        that a step reaches from here on (float32's maximum until one does),
+        so a collapse before the reset is not reported again."""
+        self._state["lowest_scale"].assign(FLOAT32_MAX)
 
     def nonfinite_gradient_counts(self) -> dict[str, int]:
         """Steps with a non-finite gradient, per variable path, in order.

@@ -103,12 +103,13 @@ class LossScaleMonitor(ConfigCopyMixin, keras.callbacks.Callback):
         self.history: list[dict[str, Any]] = []
         self._source = source
         self._steps_before_epoch = 0
-        self._epoch_steps = 0
         self._last_recorded_step = 0
         self._collapsed = False
-        self._lowest_scale = math.inf
-        self._iterations_at_epoch_start = 0
-        self._epoch = 0
+        # Set again by on_epoch_begin before any use: placeholders.
+        self._epoch_steps = 0  # pragma: no mutate
+        self._lowest_scale = math.inf  # pragma: no mutate
+        self._iterations_at_epoch_start = 0  # pragma: no mutate
+        self._epoch = 0  # pragma: no mutate
 
     def get_config(self) -> dict[str, Any]:
         return {

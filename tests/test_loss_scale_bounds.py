@@ -127,7 +127,9 @@ def test_lowest_scale_latch_keeps_a_collapse_that_recovered():
     state = loss_scale.diagnostics()
     assert state["scale"] == 16.0 and state["lowest_scale"] == 1.0
     loss_scale.reset_lowest_scale()
-    assert loss_scale.diagnostics()["lowest_scale"] == 16.0
+    assert loss_scale.diagnostics()["lowest_scale"] == float(np.finfo(np.float32).max)
+    _step(loss_scale)
+    assert loss_scale.diagnostics()["lowest_scale"] == 32.0
 
 
 def test_legacy_state_names_restore():

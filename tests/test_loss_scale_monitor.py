@@ -148,3 +148,46 @@ def test_skipped_fraction_warning_is_strictly_above_the_limit():
         assert bool(messages) == warns
         if warns:
             assert messages[0].startswith("1 of 4 steps (25%) were skipped in epoch 1")
+
+
+def test_keras_loss_scale_optimizer_skips_are_counted_per_epoch():
+    x, _ = classification_data(n=16)
+    x = np.concatenate([x, x])
+    x[[3, 11, 19, 27]] = np.nan  # one bad sample in each 8-sample batch of epoch... per epoch: 2 of 4
+    targets = np.zeros((32, 3), "float32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    optimizer = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(1e-3), initial_scale=2.0**10)
+    model.compile(optimizer, "mse")
+    history = model.fit(x, targets, epochs=3, batch_size=8, shuffle=False, verbose=0,
+                        callbacks=[mp.LossScaleMonitor(max_skipped_fraction=1.0)]).history
+    assert history["skipped_steps"] == [4.0, 4.0, 4.0]
+    assert int(optimizer.iterations.numpy()) == 0
+
+
+def test_unscaled_stock_model_gets_no_skipped_steps_entry():
+    x, y = classification_data(n=16)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3, activation="softmax")])
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    history = model.fit(x, y, batch_size=8, verbose=0, callbacks=[mp.LossScaleMonitor()]).history
+    assert "skipped_steps" not in history and history["loss_scale"] == [1.0]
+
+
+def test_a_collapse_before_this_fit_is_not_reported_and_one_at_epoch_end_names_the_epoch():
+    import warnings
+
+    x, y = classification_data(n=32)
+    bad = x.copy()
+    bad[:] = np.nan
+    model = _scale_model(initial_scale=4.0, growth_interval=1, min_scale=1.0)
+    model.fit(bad[:16], y[:16], batch_size=8, verbose=0)  # 4 -> 2 -> 1, no monitor attached
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[mp.LossScaleMonitor()])
+    assert model.get_loss_scale() == 16.0
+    assert not [w for w in caught if "collapsed" in str(w.message)]
+    data = np.concatenate([x, bad]), np.concatenate([y, y])
+    model2 = _scale_model(initial_scale=4.0, growth_interval=100, min_scale=1.0)  # 4 -> 2 -> 1
+    with pytest.warns(mp.MixedPrecisionWarning, match=r"collapsed to 1 \(its minimum 1\) by the end of epoch 2"):
+        model2.fit(*data, batch_size=32, epochs=2, verbose=0, shuffle=False,
+                   callbacks=[mp.LossScaleMonitor(max_skipped_fraction=1.0)])
