@@ -132,7 +132,8 @@ class _KeptBatch:
                     for t in flat
                 ]
                 self.step = tf.Variable(-1, dtype=tf.int64, trainable=False, name="kept_batch_step")
-            self.structure = data
+            # Only the layout (where the None entries are), not the tensors.
+            self.structure = tf.nest.map_structure(lambda t: None if t is None else True, data)
         if len(flat) != len(self.variables) or any(
                 t.dtype != v.dtype for t, v in zip(flat, self.variables)):
             return []  # another structure than the first batch's: keep nothing
