@@ -34,7 +34,7 @@ from typing import Any, Iterable, NamedTuple, Sequence
 import numpy as np
 
 from mp_callbacks._backend import keras, tf
-from mp_callbacks._validation import FLOAT32_MAX, INT64_MAX, check_int, check_real, fail
+from mp_callbacks._validation import FLOAT32_MAX, check_int, check_real, fail
 
 __all__ = ["CheckedGradients", "DynamicLossScale", "STATE_VARIABLES"]
 
@@ -95,6 +95,18 @@ def _half_sum_of_squares(grad: Any) -> tf.Tensor:
     if grad.dtype != tf.float32:
         grad = tf.cast(grad, tf.float32)  # float16 squares overflow at 256
     return tf.nn.l2_loss(grad)
+
+
+def _valid_counter(value: np.ndarray) -> bool:
+    """Non-negative integers that int64 holds: integer arrays, or floats
+    that are whole numbers below 2**63 (comparing a float with INT64_MAX
+    would round INT64_MAX up to 2**63 and let 2**63 through)."""
+    if np.issubdtype(value.dtype, np.integer):
+        return bool(np.all(value >= 0))
+    if np.issubdtype(value.dtype, np.floating):
+        return bool(np.all(np.isfinite(value)) and np.all(value >= 0)
+                    and np.all(value < 2.0**63) and np.all(np.floor(value) == value))
+    return False
 
 
 class _Untracked:
@@ -737,7 +749,7 @@ class DynamicLossScale(tf.Module):
                         "loss scale; restore an earlier one, or call "
                         "set_state without this key to keep the current scale."
                     )
-            elif not np.issubdtype(value.dtype, np.number) or np.any(value < 0) or np.any(value > INT64_MAX):
+            elif not _valid_counter(value):
                 raise ValueError(
                     f"{_OWNER}: cannot restore the loss scale's counter `{key}`: it "
                     f"must be a non-negative integer; received {key}={value!r}."

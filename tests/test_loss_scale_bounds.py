@@ -282,3 +282,19 @@ def test_loss_scale_argument_errors_say_exactly_what_is_accepted():
             loss_scale_from_argument(value, owner="Owner")
         assert str(caught.value) == message
     assert loss_scale_from_argument(0.5).get_scale() == 0.5  # any positive fixed scale
+
+
+def test_set_state_edges():
+    loss_scale = DynamicLossScale(initial_scale=4.0)
+    loss_scale.reset_lowest_scale()  # the latch at float32's maximum
+    other = DynamicLossScale()
+    other.set_state(loss_scale.get_state())  # restores, maximum included
+    assert other.diagnostics()["lowest_scale"] == float(np.finfo(np.float32).max)
+    with pytest.raises(ValueError, match=r"cannot restore the loss scale: the saved `lowest_scale` is inf"):
+        other.set_state({"lowest_scale": np.float32(np.inf)})
+    for bad in ("3", 1e30, np.float64(2.0**63), 2.5, np.float32(np.nan)):
+        with pytest.raises(ValueError, match=r"counter `skipped_steps`: it must be a non-negative integer"):
+            other.set_state({"skipped_steps": bad})
+    assert other.diagnostics()["skipped_steps"] == 0
+    other.set_state({"skipped_steps": 7.0, "step_count": np.int64(2**63 - 1)})
+    assert other.diagnostics()["skipped_steps"] == 7
