@@ -12,6 +12,11 @@ import tensorflow as tf
 
 import mp_callbacks as mp
 
+# Tiny float16 layers keep the emulated float16 cheap on CPU; compile's
+# check_model hint about their sizes is expected (tested in test_model_checks).
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:check_model found:mp_callbacks.errors.MixedPrecisionWarning")
+
 
 @keras.saving.register_keras_serializable(package="mp_callbacks_tests")
 class Boost(keras.layers.Layer):
