@@ -8,6 +8,20 @@ import time
 import keras
 
 
+def add_threads_option(parser) -> None:
+    parser.add_argument("--threads", type=int, default=0,
+                        help="TensorFlow intra- and inter-op threads (0: TensorFlow's default)")
+
+
+def apply_threads(threads: int) -> None:
+    """Must run before TensorFlow executes its first op."""
+    if threads:
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
+
+
 class EpochClock(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self.start = time.perf_counter()

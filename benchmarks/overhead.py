@@ -21,12 +21,11 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 import mp_callbacks as mp  # noqa: E402
 from mp_callbacks.data import synthetic_digits  # noqa: E402
 from mp_callbacks.reference_models import build_cnn  # noqa: E402
-from _timing import compare, report  # noqa: E402
+from _timing import add_threads_option, apply_threads, compare, report  # noqa: E402
 
 
 def main(argv=None):
@@ -35,14 +34,11 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--samples", type=int, default=8000)
     parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=0,
-                        help="TensorFlow intra- and inter-op threads (0: TensorFlow's default)")
+    add_threads_option(parser)
     parser.add_argument("--skip-callbacks", action="store_true",
                         help="only the model comparison")
     args = parser.parse_args(argv)
-    if args.threads:
-        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
-        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    apply_threads(args.threads)
 
     keras.mixed_precision.set_global_policy(args.policy)
     data = synthetic_digits(n_train=args.samples, n_test=500)

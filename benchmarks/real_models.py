@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import mp_callbacks as mp  # noqa: E402
-from _timing import compare, report  # noqa: E402
+from _timing import add_threads_option, apply_threads, compare, report  # noqa: E402
 
 VOCABULARY, SEQUENCE = 1000, 64
 
@@ -64,12 +64,9 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20, help="steps per epoch")
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=0,
-                        help="TensorFlow intra- and inter-op threads (0: TensorFlow's default)")
+    add_threads_option(parser)
     args = parser.parse_args(argv)
-    if args.threads:
-        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
-        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    apply_threads(args.threads)
     keras.mixed_precision.set_global_policy(args.policy)
     names = ["resnet50", "transformer"] if args.model == "both" else [args.model]
     for name in names:
