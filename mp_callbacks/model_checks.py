@@ -21,21 +21,30 @@ _NORMALIZATION = (
 )
 
 
+# Alignment findings are kept for layers that carry at least this share of
+# the model's multiply-adds: resizing a layer that costs less cannot speed
+# the model up measurably.
+MIN_COMPUTE_SHARE = 0.01
+
+
 @dataclass(frozen=True)
 class Finding:
     """One problem found in a model.
 
     Attributes:
         layer: name of the layer at fault (the model's name for model-wide
-            findings).
+            findings; for a grouped finding, the layers' names joined by
+            ", ").
         kind: `"output_dtype"`, `"low_precision_output_op"`,
             `"tensor_core_alignment"` or `"missing_loss_scale"`.
         message: what is wrong and what to do.
+        layers: every layer the finding is about.
     """
 
     layer: str
     kind: str
     message: str
+    layers: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         return f"[{self.kind}] {self.layer}: {self.message}"
@@ -74,6 +83,78 @@ def _is_pass_through(layer: Any) -> bool:
     return isinstance(layer, keras.layers.Activation) and getattr(activation, "__name__", "") == "linear"
 
 
+# Layers that keep each output feature a function of one input feature:
+# behind them, a layer's size is still the size of the model's output.
+_FEATURE_PRESERVING = (
+    keras.layers.Activation,
+    keras.layers.Softmax,
+    keras.layers.Identity,
+    keras.layers.Dropout,
+    keras.layers.Flatten,
+    keras.layers.Reshape,
+    keras.layers.ReLU,
+)
+
+
+def _output_size_layers(output_layers: list[Any]) -> list[Any]:
+    """The layers whose size is the output's, set by the task (a class
+    count): the output layers, and the layer behind a head of activations,
+    casts, dropout or reshapes (a Dense(classes) before a float32 softmax)."""
+    found, frontier = [], list(output_layers)
+    while frontier:
+        layer = frontier.pop(0)
+        if layer in found:
+            continue
+        found.append(layer)
+        if isinstance(layer, _FEATURE_PRESERVING):
+            frontier.extend(_parents(layer))
+    return found
+
+
+def _shape(tensor: Any) -> tuple | None:
+    try:
+        return tuple(tensor.shape)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _multiply_adds(layer: Any) -> int:
+    """Multiply-adds of one sample through a Dense or convolution layer (0
+    for other layers or unknown shapes)."""
+    try:
+        input_shape, output_shape = _shape(layer.input), _shape(layer.output)
+    except (AttributeError, ValueError):
+        return 0
+    if not input_shape or not output_shape or any(d is None for d in output_shape[1:]):
+        return 0
+    if input_shape[-1] is None:
+        return 0
+    if isinstance(layer, keras.layers.Dense):
+        positions = 1
+        for dim in output_shape[1:-1]:
+            positions *= dim
+        return positions * input_shape[-1] * output_shape[-1]
+    kernel_size = getattr(layer, "kernel_size", None)
+    if kernel_size is None:
+        return 0
+    taps = 1
+    for dim in kernel_size:
+        taps *= dim
+    positions = 1
+    channels_last = getattr(layer, "data_format", "channels_last") == "channels_last"
+    spatial = output_shape[1:-1] if channels_last else output_shape[2:]
+    for dim in spatial:
+        positions *= dim
+    in_channels = input_shape[-1] if channels_last else input_shape[1]
+    if in_channels is None:
+        return 0
+    groups = getattr(layer, "groups", 1) or 1
+    if isinstance(layer, keras.layers.DepthwiseConv2D):
+        return positions * taps * in_channels * getattr(layer, "depth_multiplier", 1)
+    out_channels = output_shape[-1] if channels_last else output_shape[1]
+    return positions * taps * (in_channels // groups) * out_channels
+
+
 def _parents(layer: Any) -> list[Any]:
     parents = []
     for node in getattr(layer, "_inbound_nodes", []):
@@ -106,6 +187,53 @@ def _size_of(layer: Any) -> tuple[str, int] | None:
     return None
 
 
+def _saturating_operation(layer: Any) -> str | None:
+    operation = _activation_name(layer)
+    if operation is None and isinstance(layer, _NORMALIZATION):
+        operation = type(layer).__name__
+    return operation
+
+
+def _alignment_findings(
+    layers: list[Any], low_precision: list[Any], output_size_layers: list[Any]
+) -> list[Finding]:
+    """One finding for the low-precision layers, with a real share of the
+    compute, whose size is not a multiple of 8."""
+    costs = {id(layer): _multiply_adds(layer) for layer in layers}
+    total = sum(costs.values())
+    misaligned, minor = [], 0
+    for layer in low_precision:
+        size = _size_of(layer)
+        if layer in output_size_layers or size is None or size[1] % 8 == 0:
+            continue
+        share = costs[id(layer)] / total if total else 1.0
+        if share < MIN_COMPUTE_SHARE:
+            minor += 1
+            continue
+        misaligned.append((layer, size, share))
+    if not misaligned:
+        return []
+    names = tuple(layer.name for layer, _, _ in misaligned)
+    changes = ", ".join(
+        f"{layer.name} {attribute}={value} -> {-(-value // 8) * 8}"
+        for layer, (attribute, value), _ in misaligned
+    )
+    share = sum(share for _, _, share in misaligned)
+    count = len(misaligned)
+    message = (
+        f"{'this layer has a size' if count == 1 else f'{count} layers have sizes'} that "
+        f"{'is' if count == 1 else 'are'} not a multiple of 8 ({share:.0%} of the model's "
+        f"multiply-adds); Tensor Cores (and AMX tiles) run at full speed only on multiples "
+        f"of 8: {changes}."
+    )
+    if minor:
+        message += (
+            f" ({minor} more such layer{'s' if minor > 1 else ''}, each under "
+            f"{MIN_COMPUTE_SHARE:.0%} of the compute, not listed.)"
+        )
+    return [Finding(", ".join(names), "tensor_core_alignment", message, names)]
+
+
 def check_model(model: keras.Model) -> list[Finding]:
     """Checks a model for mixed-precision mistakes; returns the findings.
 
@@ -116,8 +244,10 @@ def check_model(model: keras.Model) -> list[Finding]:
       pass-through layers (a float32 `Activation("linear")` cast after a
       float16 softmax still feeds the loss a float16 softmax);
     * hidden layers whose size (units, filters) is not a multiple of 8,
-      which Tensor Cores need for full speed (output sizes are set by the
-      task and are not reported);
+      which Tensor Cores need for full speed, grouped in one finding; only
+      layers with at least `MIN_COMPUTE_SHARE` of the model's multiply-adds
+      count, and output sizes (set by the task, such as a class count, also
+      behind a float32 softmax head) are not reported;
     * float16 computation with no loss scale.
 
     A correct model gives an empty list. Layers are named in each finding.
@@ -129,42 +259,46 @@ def check_model(model: keras.Model) -> list[Finding]:
         return findings
 
     output_layers = _output_layers(model)
+    reported = set()
     for tensor, layer in zip(getattr(model, "outputs", None) or [], output_layers):
         dtype = keras.backend.standardize_dtype(tensor.dtype)
-        if dtype != "float32":
-            findings.append(Finding(
-                layer.name, "output_dtype",
-                f"model output is {dtype} under a mixed policy; give this layer "
-                "dtype='float32' (or add keras.layers.Activation('linear', "
-                "dtype='float32') after it) so the loss is computed in float32.",
-            ))
+        if dtype == "float32":
+            continue
+        operation = _saturating_operation(layer)
+        if operation is None:
+            remedy = (
+                "give this layer dtype='float32', or add keras.layers.Activation('linear', "
+                "dtype='float32') after it, so the loss is computed in float32."
+            )
+        elif operation in _SQUASHING:
+            # A float32 cast after it would not do: the squashing itself
+            # must run in float32.
+            remedy = (
+                f"its {operation} is computed in {dtype}, where it saturates. Give this layer "
+                f"dtype='float32', or let it output the logits and add "
+                f"keras.layers.Activation('{operation}', dtype='float32') after it."
+            )
+        else:
+            remedy = f"its {operation} is computed in {dtype}. Give this layer dtype='float32'."
+        reported.add(layer.name)
+        findings.append(Finding(
+            layer.name, "output_dtype",
+            f"model output is {dtype} under a mixed policy; {remedy}", (layer.name,),
+        ))
     for layer in _layers_feeding_loss(output_layers):
         dtype = _compute_dtype(layer)
-        if dtype not in _LOW_PRECISION:
+        if dtype not in _LOW_PRECISION or layer.name in reported:
             continue
-        operation = _activation_name(layer)
-        if operation is None and isinstance(layer, _NORMALIZATION):
-            operation = type(layer).__name__
+        operation = _saturating_operation(layer)
         if operation is not None:
             findings.append(Finding(
                 layer.name, "low_precision_output_op",
                 f"{operation} is computed in {dtype} and feeds the loss; it "
                 "saturates and loses precision there. Give this layer "
-                "dtype='float32'.",
+                "dtype='float32'.", (layer.name,),
             ))
 
-    for layer in low_precision:
-        if layer in output_layers:
-            continue
-        size = _size_of(layer)
-        if size is not None and size[1] % 8:
-            attribute, value = size
-            findings.append(Finding(
-                layer.name, "tensor_core_alignment",
-                f"{attribute}={value} is not a multiple of 8; Tensor Cores (and "
-                f"AMX tiles) run at full speed only on multiples of 8: try "
-                f"{attribute}={-(-value // 8) * 8}.",
-            ))
+    findings += _alignment_findings(layers, low_precision, _output_size_layers(output_layers))
 
     if any(_compute_dtype(layer) == "float16" for layer in low_precision):
         source = LossScaleSource.of(model)
@@ -176,6 +310,6 @@ def check_model(model: keras.Model) -> list[Finding]:
                 model.name, "missing_loss_scale",
                 "layers compute in float16 but no loss scale is in use: small "
                 "gradients underflow to zero. Use loss_scale='auto' or a "
-                "DynamicLossScale.",
+                "DynamicLossScale.", (model.name,),
             ))
     return findings
