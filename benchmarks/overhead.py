@@ -23,8 +23,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 
 import mp_callbacks as mp  # noqa: E402
-from mp_callbacks.data import synthetic_digits  # noqa: E402
-from mp_callbacks.reference_models import build_cnn  # noqa: E402
+from mp_callbacks_bench.data import synthetic_digits  # noqa: E402
+from mp_callbacks_bench.reference_models import build_cnn  # noqa: E402
 from _timing import add_threads_option, apply_threads, compare, report  # noqa: E402
 
 

@@ -21,8 +21,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 
 import mp_callbacks as mp  # noqa: E402
-from mp_callbacks.data import synthetic_digits  # noqa: E402
-from mp_callbacks.reference_models import MODELS  # noqa: E402
+from mp_callbacks_bench.data import synthetic_digits  # noqa: E402
+from mp_callbacks_bench.reference_models import MODELS  # noqa: E402
 from _timing import compare  # noqa: E402
 
 

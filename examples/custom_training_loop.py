@@ -20,7 +20,7 @@ import tensorflow as tf
 
 import mp_callbacks as mp
 from mp_callbacks import LossScaleOptimizer
-from mp_callbacks.data import mnist_or_synthetic
+from mp_callbacks_bench.data import mnist_or_synthetic
 
 
 def main(argv=None) -> dict:

@@ -21,7 +21,7 @@ import logging
 import keras
 
 import mp_callbacks as mp
-from mp_callbacks.data import mnist_or_synthetic
+from mp_callbacks_bench.data import mnist_or_synthetic
 
 
 def build_model(input_shape) -> mp.MixedPrecisionModel:

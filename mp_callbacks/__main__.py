@@ -2,6 +2,6 @@
 
 import sys
 
-from mp_callbacks.cli import main
+from mp_callbacks_bench.cli import main
 
 sys.exit(main())

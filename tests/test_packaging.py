@@ -19,6 +19,12 @@ def test_wheel_contains_license_and_py_typed(tmp_path):
     wheel = next(tmp_path.glob("mp_callbacks-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "mp_callbacks/py.typed" in names
+    # The library and, apart from it, the benchmark application.
+    assert "mp_callbacks/loss_scale.py" in names and "mp_callbacks_bench/cli.py" in names
+    assert not any(name.startswith(("tests/", "benchmarks/", "examples/")) for name in names)
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert "mp-callbacks = mp_callbacks_bench.cli:main" in zipfile.ZipFile(wheel).read(
+        entry_points).decode()
     assert any(name.endswith(".dist-info/licenses/LICENSE") or name.endswith(".dist-info/LICENSE")
                for name in names), names
     license_text = (ROOT / "LICENSE").read_text()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import zipfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,7 +38,12 @@ class Dataset:
     x_test: np.ndarray
     y_test: np.ndarray
     name: str
-    description: str
+    source: str
+
+    @property
+    def description(self) -> str:
+        """Where the data comes from, and how many samples are used."""
+        return f"{self.source}; {len(self.x_train):,} train / {len(self.x_test):,} test samples"
 
     @property
     def num_classes(self) -> int:
@@ -51,11 +57,8 @@ class Dataset:
         """The first `train` / `test` samples (all when None)."""
         if train is None and test is None:
             return self
-        x_train, x_test = self.x_train[:train], self.x_test[:test]
-        return Dataset(
-            x_train, self.y_train[:train], x_test, self.y_test[:test], self.name,
-            f"{self.description}, first {len(x_train)} train / {len(x_test)} test samples",
-        )
+        return Dataset(self.x_train[:train], self.y_train[:train], self.x_test[:test],
+                       self.y_test[:test], self.name, self.source)
 
 
 def _strokes(rng: np.random.Generator, size: int, count: int) -> np.ndarray:
@@ -111,8 +114,7 @@ def synthetic_digits(
     x_test, y_test = sample(n_test)
     return Dataset(
         x_train, y_train, x_test, y_test, SYNTHETIC,
-        f"built-in synthetic digits ({n_train} train / {n_test} test, 28x28, "
-        f"{num_classes} classes, generated offline, seed {seed})",
+        f"built-in synthetic digits (28x28, {num_classes} classes, generated offline, seed {seed})",
     )
 
 
@@ -157,18 +159,36 @@ def load_mnist(allow_download: bool = True, timeout: float = 20.0) -> Dataset:
 
 
 def _load_npz(path: str) -> Dataset:
+    # np.load guesses the format from the first bytes and, for anything
+    # that is neither .npz nor .npy, suggests allow_pickle: unsafe advice for
+    # a file that is simply not an .npz. So check the zip signature first.
+    with open(path, "rb") as handle:
+        signature = handle.read(4)
+    if signature != b"PK\x03\x04":
+        raise DatasetError(
+            f"{path}: not an .npz archive (an .npz is a zip file, as written by "
+            "numpy.savez; this file does not start like one)."
+        )
     try:
         with np.load(path, allow_pickle=False) as archive:
             missing = [key for key in _NPZ_KEYS if key not in archive.files]
             if missing:
+                found = ", ".join(archive.files) if archive.files else "no arrays"
                 raise DatasetError(
-                    f"{path}: the .npz file lacks {', '.join(missing)}; it needs "
-                    f"the arrays {', '.join(_NPZ_KEYS)}."
+                    f"{path}: the .npz file lacks {', '.join(missing)}; it needs the arrays "
+                    f"{', '.join(_NPZ_KEYS)}, and has {found}."
                 )
             arrays = {key: np.asarray(archive[key]) for key in _NPZ_KEYS}
     except DatasetError:
         raise
-    except (OSError, ValueError, EOFError) as error:
+    except ValueError as error:
+        if "allow_pickle" in str(error):
+            raise DatasetError(
+                f"{path}: an array in the archive holds Python objects, which are not "
+                "loaded (loading them could run code); save plain numeric arrays."
+            ) from error
+        raise DatasetError(f"{path}: not a readable .npz file ({error}).") from error
+    except (OSError, EOFError, zipfile.BadZipFile) as error:
         raise DatasetError(f"{path}: not a readable .npz file ({error}).") from error
 
     for split in ("train", "test"):
@@ -197,7 +217,7 @@ def _load_npz(path: str) -> Dataset:
         x_train, arrays["y_train"].astype(np.int64),
         x_test, arrays["y_test"].astype(np.int64),
         os.path.basename(path),
-        f"{path} ({len(x_train)} train / {len(x_test)} test, samples {x_train.shape[1:]})",
+        f"{path} (samples of shape {x_train.shape[1:]})",
     )
 
 

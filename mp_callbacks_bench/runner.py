@@ -1,4 +1,4 @@
-"""The benchmark behind `mp-callbacks bench`: one model, several policies.
+"""The benchmark runs behind `mp-callbacks bench`: one model, several policies.
 
 Each policy is trained in its own fresh Python process (`run_in_subprocess`)
 so that its peak memory is its own and no dtype policy, graph or allocator
@@ -16,40 +16,16 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from mp_callbacks._backend import keras, tf
-from mp_callbacks._native_stderr import is_startup_noise
+from mp_callbacks_bench._native_stderr import is_startup_noise
+from mp_callbacks_bench.settings import BenchError, BenchSettings
 
-__all__ = ["BenchSettings", "BenchError", "compare", "run_policy", "QUICK"]
+__all__ = ["compare", "run_policy", "run_in_subprocess"]
 
-logger = logging.getLogger(__name__)
-
-
-class BenchError(ValueError):
-    """Bad benchmark input; the message is one line for the user."""
-
-
-@dataclass
-class BenchSettings:
-    policies: list[str]
-    model: str = "mlp"
-    dataset: str = "synthetic"
-    epochs: int = 5
-    batch_size: int = 128
-    seed: int = 0
-    train_samples: int | None = None
-    test_samples: int | None = None
-    repeats: int = 1
-    quiet: bool = False
-
-
-# A preset that finishes in about a minute on 2 CPU cores: the CNN (where
-# mixed precision pays most), 8,000 images, 4 epochs (3 warm), each policy
-# run twice in alternation so that a burst of machine noise cannot decide
-# the table alone.
-QUICK = dict(model="cnn", epochs=4, train_samples=8000, test_samples=2000, repeats=2)
+logger = logging.getLogger("mp_callbacks_bench")
 
 
 def _peak_memory_mb() -> float:
@@ -89,21 +65,19 @@ class _ProgressLine(keras.callbacks.Callback):
 
 
 def run_policy(policy: str, settings: BenchSettings) -> dict[str, Any]:
-    """Trains the benchmark model under `policy` in this process."""
+    """Trains the benchmark model under `policy` in this process and
+    returns its result row."""
     import mp_callbacks as mp
-    from mp_callbacks.data import load_dataset
-    from mp_callbacks.reference_models import MODELS
+    from mp_callbacks_bench.data import load_dataset
+    from mp_callbacks_bench.footprint import estimate_step_memory
+    from mp_callbacks_bench.user_model import build_model, parse_model_spec
 
+    spec = parse_model_spec(settings.model)
     keras.mixed_precision.set_global_policy(policy)
     keras.utils.set_random_seed(settings.seed)
     data = load_dataset(settings.dataset, seed=settings.seed, allow_download=False)
     data = data.take(settings.train_samples, settings.test_samples)
-    model = MODELS[settings.model](data.input_shape, data.num_classes)
-    model.compile(
-        optimizer=keras.optimizers.Adam(),
-        loss="sparse_categorical_crossentropy",
-        metrics=["accuracy"],
-    )
+    model = build_model(spec, data.input_shape, data.num_classes)
     timer = mp.EpochTimer()
     scale_monitor = mp.LossScaleMonitor()
     nan_monitor = mp.NaNGradientMonitor(action="stop")
@@ -119,6 +93,7 @@ def run_policy(policy: str, settings: BenchSettings) -> dict[str, Any]:
         data.x_test, data.y_test, batch_size=settings.batch_size, verbose=0, return_dict=True
     )
     summary = timer.summary()
+    accuracy = evaluation.get("accuracy", evaluation.get("sparse_categorical_accuracy"))
     return {
         "policy": policy,
         "epoch_time": summary["median_epoch_time"],
@@ -126,27 +101,38 @@ def run_policy(policy: str, settings: BenchSettings) -> dict[str, Any]:
         "samples_per_sec": summary["median_samples_per_sec"],
         "speedup": None,
         "peak_memory_mb": _peak_memory_mb(),
-        "accuracy": float(evaluation["accuracy"]),
+        "memory_kind": "device peak" if tf.config.list_physical_devices("GPU") else "process peak RSS",
+        "estimated_step_memory": estimate_step_memory(model, settings.batch_size),
+        "accuracy": None if accuracy is None else float(accuracy),
         "loss": float(evaluation["loss"]),
+        "optimizer": type(getattr(model.optimizer, "inner_optimizer", model.optimizer)).__name__,
         "skipped_steps": int(sum(history.history.get("skipped_steps", []))),
-        "final_loss_scale": model.get_loss_scale(),
+        "final_loss_scale": _final_loss_scale(model),
         "epochs": len(history.history["loss"]),
         "diverged": nan_monitor.error is not None,
         "data": data.description,
     }
 
 
+def _final_loss_scale(model) -> float | None:
+    getter = getattr(model, "get_loss_scale", None)
+    return float(getter()) if getter is not None else None
+
+
 def run_in_subprocess(policy: str, settings: BenchSettings) -> dict[str, Any]:
     """`run_policy` in a fresh Python process; raises BenchError on failure."""
     with tempfile.TemporaryDirectory() as directory:
         result_path = os.path.join(directory, "result.json")
-        request = json.dumps({"policy": policy, "settings": asdict(settings), "out": result_path})
+        # The parent's import path goes along, so that a user's model module
+        # importable here (a notebook's sys.path included) is importable there.
+        request = json.dumps({"policy": policy, "settings": asdict(settings), "out": result_path,
+                              "sys_path": [p for p in sys.path if p]})
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
         # The child's stderr is read here line by line: TensorFlow's C++
         # start-up lines are dropped (TF_CPP_MIN_LOG_LEVEL does not silence
         # them all), everything else is shown as it comes, unless quiet.
         process = subprocess.Popen(
-            [sys.executable, "-m", "mp_callbacks.bench", request],
+            [sys.executable, "-m", "mp_callbacks_bench.runner", request],
             env=env,
             stdout=subprocess.DEVNULL if settings.quiet else None,
             stderr=subprocess.PIPE,
@@ -162,11 +148,8 @@ def run_in_subprocess(policy: str, settings: BenchSettings) -> dict[str, Any]:
                 sys.stderr.write(line)
         returncode = process.wait()
         if returncode != 0 or not os.path.exists(result_path):
-            detail = kept[-1:] if settings.quiet else []
-            raise BenchError(
-                f"the {policy} run failed (exit code {returncode})"
-                + (f": {detail[0]}" if detail else "; see the output above")
-            )
+            detail = kept[-1].removeprefix("error: ") if kept else "no output"
+            raise BenchError(f"the {policy} run failed (exit code {returncode}): {detail}")
         with open(result_path, encoding="utf-8") as handle:
             return json.load(handle)
 
@@ -174,8 +157,8 @@ def run_in_subprocess(policy: str, settings: BenchSettings) -> dict[str, Any]:
 def compare(settings: BenchSettings, in_subprocess: bool = True) -> list[dict[str, Any]]:
     """Runs every policy `settings.repeats` times, alternating the order
     (A B, B A, ...), keeps each policy's fastest run, and adds `speedup`
-    (float32 epoch time / this one). Every run's epoch time is kept in
-    `epoch_times_of_runs`."""
+    (float32 epoch time / this one). The spread across runs is kept:
+    `epoch_times_of_runs`, `epoch_time_min`/`_max`, `accuracy_min`/`_max`."""
     runner = run_in_subprocess if in_subprocess else run_policy
     runs: dict[str, list[dict[str, Any]]] = {policy: [] for policy in settings.policies}
     for repeat in range(settings.repeats):
@@ -188,7 +171,13 @@ def compare(settings: BenchSettings, in_subprocess: bool = True) -> list[dict[st
     results = []
     for policy in settings.policies:
         best = min(runs[policy], key=lambda r: r["epoch_time"] or float("inf"))
+        times = [r["epoch_time"] for r in runs[policy] if r["epoch_time"] is not None]
         best["epoch_times_of_runs"] = [r["epoch_time"] for r in runs[policy]]
+        best["epoch_time_min"] = min(times, default=None)
+        best["epoch_time_max"] = max(times, default=None)
+        accuracies = [r["accuracy"] for r in runs[policy] if r.get("accuracy") is not None]
+        best["accuracy_min"] = min(accuracies, default=None)
+        best["accuracy_max"] = max(accuracies, default=None)
         results.append(best)
     baseline = next((r for r in results if r["policy"] == "float32"), None)
     for result in results:
@@ -200,9 +189,14 @@ def compare(settings: BenchSettings, in_subprocess: bool = True) -> list[dict[st
 def _worker(argv: list[str]) -> int:
     request = json.loads(argv[0])
     settings = BenchSettings(**request["settings"])
+    sys.path.extend(p for p in request.get("sys_path", []) if p not in sys.path)
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     logger.setLevel(logging.WARNING if settings.quiet else logging.INFO)
-    result = run_policy(request["policy"], settings)
+    try:
+        result = run_policy(request["policy"], settings)
+    except BenchError as error:  # the parent shows this last line
+        print(f"error: {error}", file=sys.stderr)
+        return 3
     with open(request["out"], "w", encoding="utf-8") as handle:
         json.dump(result, handle)
     return 0

@@ -1,0 +1,280 @@
+"""`mp-callbacks`: the command line (`bench` and `doctor`).
+
+    mp-callbacks bench --quick
+    mp-callbacks bench --model my_models.py:build --dataset data.npz --json out.json
+    mp-callbacks doctor
+
+Parsing and argument errors import neither TensorFlow nor Keras, so
+`--help`, `--version` and mistakes answer at once. The work is done by
+`api.run_bench` and `mp_callbacks.hardware`; the text by `report` and
+`HardwareReport.format_text`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Sequence
+
+from mp_callbacks_bench.settings import POLICIES, BenchError
+
+__all__ = ["main", "build_parser", "check_output_path"]
+
+_PROG = "mp-callbacks"
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Bad input: one line on stderr, `mp-callbacks <command>: error: ...`,
+    and exit code 2, without the usage dump."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text!r}")
+    return value
+
+
+def _policy_list(text: str) -> list[str]:
+    policies = [p for p in text.split(",") if p]
+    for policy in policies:
+        if policy not in POLICIES:
+            raise argparse.ArgumentTypeError(
+                f"unknown policy {policy!r}: choose from {', '.join(POLICIES)}"
+            )
+    return policies
+
+
+def _model_spec(text: str) -> str:
+    from mp_callbacks_bench.user_model import parse_model_spec
+
+    try:
+        parse_model_spec(text)
+    except BenchError as error:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: " + str(error).removeprefix(f"--model {text}: ")
+        ) from error
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(
+        prog=_PROG,
+        description="Mixed precision for Keras, measured on your own hardware.",
+    )
+    parser.add_argument("--version", action="version", version=f"{_PROG} {_version()}")
+    commands = parser.add_subparsers(dest="command", metavar="{bench,doctor}",
+                                     parser_class=_OneLineParser)
+    commands.required = True
+
+    bench = commands.add_parser(
+        "bench",
+        help="train one model under each dtype policy and compare time, memory and accuracy",
+        description=(
+            "Train the same model under each dtype policy, each in its own process, with "
+            "MixedPrecisionModel and the mp_callbacks callbacks, and print a comparison "
+            "table (epoch time, speed-up, memory, validation accuracy) for this machine, "
+            "with a verdict: the policy to use here."
+        ),
+    )
+    bench.add_argument(
+        "--model", type=_model_spec, default=None, metavar="MODEL",
+        help="mlp (the classic MNIST 784-512-256-10 MLP), cnn (a small conv net), "
+             "MODULE:FUNCTION or path/to/file.py:FUNCTION, where FUNCTION() returns a Keras "
+             "model, compiled or not (default: mlp; cnn with --quick)")
+    bench.add_argument(
+        "--policies", nargs="+", metavar="POLICY", type=_policy_list,
+        help="policies to compare (space or comma separated; default: all three, less any "
+             "the probe measures as emulated)")
+    bench.add_argument(
+        "--dataset", default="synthetic",
+        help="'synthetic' (built-in, offline; default), 'mnist' (Keras's loader) or a path "
+             "to an .npz with x_train, y_train, x_test, y_test")
+    bench.add_argument("--epochs", type=_positive_int, default=None, help="epochs per policy (default 5)")
+    bench.add_argument("--batch-size", type=_positive_int, default=128)
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--train-samples", type=_positive_int, default=None,
+                       help="use only the first N training samples")
+    bench.add_argument("--repeats", type=_positive_int, default=None,
+                       help="run each policy N times, alternating, and keep its fastest run "
+                            "(default 1, 2 with --quick)")
+    bench.add_argument("--quick", action="store_true",
+                       help="a preset of about a minute and a half on 2 CPU cores: cnn, 8,000 "
+                            "images, 4 epochs, 2 alternating runs per policy")
+    bench.add_argument("--force", action="store_true",
+                       help="run policies the probe measures as emulated (very slow)")
+    bench.add_argument("--no-probe", action="store_true",
+                       help="do not measure the policies' speed first; judge from CPU/GPU features")
+    bench.add_argument("--quiet", action="store_true", help="print only the table and verdict")
+    bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    bench.add_argument("--markdown", metavar="PATH", help="write the table as Markdown")
+    bench.add_argument("--plot", metavar="PATH",
+                       help="plot epoch time, memory and accuracy per policy (.png, .svg or "
+                            ".pdf; needs matplotlib)")
+    bench.set_defaults(handler=_bench)
+
+    doctor = commands.add_parser(
+        "doctor",
+        help="measure which dtype policy this machine speeds up, and check versions, GPUs and CPU",
+        description=(
+            "Which dtype policy does this machine speed up? Versions, CUDA/cuDNN, GPUs, CPU "
+            "features, and a short probe (matrix multiply and convolution, forward and "
+            "backward) timed under each policy."
+        ),
+    )
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.add_argument("--no-probe", action="store_true",
+                        help="skip the measurement; advise from CPU/GPU features alone")
+    doctor.set_defaults(handler=_doctor)
+    return parser
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("mp_callbacks")
+    except metadata.PackageNotFoundError:  # running from a checkout
+        return "0+unknown"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is imported
+    from mp_callbacks_bench import _native_stderr
+
+    with _native_stderr.filtered():
+        _show_progress(not getattr(args, "quiet", True))
+        from mp_callbacks_bench.data import DatasetError
+
+        try:
+            return args.handler(args)
+        except (BenchError, DatasetError) as error:
+            print(f"{_PROG} {args.command}: error: {error}", file=sys.stderr)
+            return 2
+
+
+def _show_progress(enabled: bool) -> None:
+    """The benchmark reports progress through logging; show it on stderr
+    (warnings even under --quiet)."""
+    logger = logging.getLogger("mp_callbacks_bench")
+    logger.setLevel(logging.INFO if enabled else logging.WARNING)
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
+# ----------------------------------------------------------------- bench
+_OUTPUT_SUFFIXES = {
+    "json": (".json",),
+    "markdown": (".md", ".markdown"),
+    "plot": (".png", ".svg", ".pdf"),
+}
+
+
+def check_output_path(flag: str, path: str) -> None:
+    """Refuses, before any training, an output path that cannot be written:
+    a wrong extension, a folder that does not exist (none is created), a
+    folder or file that is not writable, or a folder given as the file."""
+    suffixes = _OUTPUT_SUFFIXES[flag]
+    if not path.lower().endswith(suffixes):
+        raise BenchError(f"--{flag} {path}: the file name must end with {' or '.join(suffixes)}")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise BenchError(f"--{flag} {path}: the folder {directory} does not exist")
+    if os.path.isdir(path):
+        raise BenchError(f"--{flag} {path}: is a folder, not a file")
+    target = path if os.path.exists(path) else directory
+    if not os.access(target, os.W_OK):
+        raise BenchError(f"--{flag} {path}: {target} is not writable")
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as error:
+        raise BenchError("--plot needs matplotlib: pip install \"mp_callbacks[plot]\"") from error
+
+
+def _bench(args: argparse.Namespace) -> int:
+    for flag in ("json", "markdown", "plot"):
+        if getattr(args, flag):
+            check_output_path(flag, getattr(args, flag))
+    if args.plot:
+        _require_matplotlib()
+    from mp_callbacks_bench.api import run_bench
+    from mp_callbacks_bench.report import format_skipped, plot_results
+
+    policies = [p for group in args.policies for p in group] if args.policies else None
+    report = run_bench(
+        args.model,
+        policies=policies,
+        dataset=args.dataset,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        train_samples=args.train_samples,
+        repeats=args.repeats,
+        quick=args.quick,
+        force=args.force,
+        probe=not args.no_probe,
+        quiet=args.quiet,
+    )
+    print(report.header)
+    print(report.table())
+    for line in format_skipped(report.skipped):
+        print(line)
+    print(f"verdict: {report.verdict}")
+    # Everything is computed: a failed write must not lose the other outputs.
+    failures: list[str] = []
+    if args.json:
+        _write(args.json, report.to_json(), failures)
+    if args.markdown:
+        text = "\n".join([report.header, "", report.table(markdown=True), "",
+                          *format_skipped(report.skipped), f"verdict: {report.verdict}", ""])
+        _write(args.markdown, text, failures)
+    if args.plot:
+        try:
+            plot_results(report.results, args.plot, title=f"{report.settings.model}: {report.device}")
+        except (OSError, ValueError) as error:
+            failures.append(f"cannot write {args.plot}: {error}")
+    for failure in failures:
+        print(f"{_PROG} bench: error: {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def _write(path: str, text: str, failures: list[str]) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    except OSError as error:
+        failures.append(f"cannot write {path}: {error.strerror}")
+
+
+# ---------------------------------------------------------------- doctor
+def _doctor(args: argparse.Namespace) -> int:
+    from mp_callbacks.hardware import inspect_hardware
+    from mp_callbacks_bench.api import _versions
+
+    report = inspect_hardware(measure=not args.no_probe)
+    if args.json:
+        print(json.dumps({**report.as_dict(), "versions": _versions()}, indent=2))
+    else:
+        print(report.format_text())
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

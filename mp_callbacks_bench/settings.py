@@ -1,0 +1,48 @@
+"""What a benchmark run is asked to do, and its one error type.
+
+This module imports neither TensorFlow nor Keras, so that the command
+line can check its arguments in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["BenchError", "BenchSettings", "QUICK", "POLICIES", "BUILT_IN_MODELS"]
+
+# The same tuple as mp_callbacks.hardware.POLICIES (a test keeps them equal);
+# repeated here because importing that module starts TensorFlow.
+POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
+BUILT_IN_MODELS = ("mlp", "cnn")
+
+
+class BenchError(ValueError):
+    """Bad benchmark input, or a run that failed; the message is one line
+    for the user."""
+
+
+@dataclass
+class BenchSettings:
+    """One benchmark: a model trained under each policy.
+
+    `model` is "mlp", "cnn", "MODULE:FUNCTION" or "path/to/file.py:FUNCTION",
+    where `FUNCTION()` returns a Keras model, compiled or not.
+    """
+
+    policies: list[str]
+    model: str = "mlp"
+    dataset: str = "synthetic"
+    epochs: int = 5
+    batch_size: int = 128
+    seed: int = 0
+    train_samples: int | None = None
+    test_samples: int | None = None
+    repeats: int = 1
+    quiet: bool = False
+
+
+# A preset that finishes in about a minute and a half on 2 CPU cores: the
+# CNN (where mixed precision pays most), 8,000 images, 4 epochs (3 warm),
+# each policy run twice in alternation so that a burst of machine noise
+# cannot decide the table alone.
+QUICK = dict(model="cnn", epochs=4, train_samples=8000, test_samples=2000, repeats=2)

@@ -1,0 +1,160 @@
+"""The benchmark's report: table, verdict, JSON and plot, from rows alone
+(no training), and the choice of policies from an injected measurement."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mp_callbacks._cpu_features import CpuInfo
+from mp_callbacks.hardware import POLICIES as HARDWARE_POLICIES
+from mp_callbacks.hardware import PATHOLOGICAL_SPEED, inspect_hardware
+from mp_callbacks.hardware import MIN_SPEEDUP as HARDWARE_MIN_SPEEDUP
+from mp_callbacks_bench.api import choose_policies
+from mp_callbacks_bench.report import (
+    MIN_SPEEDUP,
+    format_skipped,
+    format_table,
+    json_document,
+    plot_results,
+    verdict,
+)
+from mp_callbacks_bench.settings import POLICIES
+
+
+def _row(policy, epoch_time, accuracy=0.95, speedup=None, **extra):
+    row = {
+        "policy": policy, "epoch_time": epoch_time, "samples_per_sec": 8000 / epoch_time,
+        "speedup": speedup, "peak_memory_mb": 760.0, "accuracy": accuracy, "skipped_steps": 0,
+        "epoch_time_min": epoch_time, "epoch_time_max": epoch_time * 1.25,
+        "estimated_step_memory": {"total": 12.5}, "diverged": False,
+    }
+    row.update(extra)
+    return row
+
+
+FLOAT32 = _row("float32", 1.31, 0.969, 1.0)
+BF16_FAST = _row("mixed_bfloat16", 1.02, 0.972, 1.31 / 1.02)
+
+
+def test_the_app_and_the_library_agree_on_policies_and_threshold():
+    assert POLICIES == HARDWARE_POLICIES
+    assert MIN_SPEEDUP == HARDWARE_MIN_SPEEDUP
+
+
+def test_table_shows_each_value_with_its_unit():
+    lines = format_table([FLOAT32, BF16_FAST]).splitlines()
+    assert lines[0].split("  ")[0] == "policy"
+    assert [cell.strip() for cell in lines[2].split("  ") if cell.strip()] == [
+        "float32", "1.31", "1.31-1.64", "6,107", "1.00x", "12.5", "760", "96.9%", "0"]
+    assert [cell.strip() for cell in lines[3].split("  ") if cell.strip()][:5] == [
+        "mixed_bfloat16", "1.02", "1.02-1.27", "7,843", "1.28x"]
+    assert len({len(line) for line in lines}) == 1  # aligned
+
+
+def test_markdown_table_and_missing_values():
+    row = _row("mixed_float16", 2.0, None, None, estimated_step_memory=None, epoch_time_min=None)
+    text = format_table([FLOAT32, row], markdown=True).splitlines()
+    assert text[0].startswith("| policy | epoch time (s) | range over runs (s) |")
+    assert text[1] == "|---|" + "---:|" * 8
+    assert text[3] == "| mixed_float16 | 2.00 | - | 4,000 | - | - | 760 | - | 0 |"
+
+
+def test_verdict_picks_the_fastest_policy_that_keeps_accuracy():
+    fp16 = _row("mixed_float16", 0.9, 0.90, 1.31 / 0.9)  # fastest, but 6.9 points worse
+    policy, text = verdict([FLOAT32, fp16, BF16_FAST])
+    assert policy == "mixed_bfloat16"
+    assert text == ("use mixed_bfloat16 here: 1.28x float32's speed (1.02 s vs 1.31 s per epoch; "
+                    "validation accuracy 97.2% vs 96.9%). Not mixed_float16 was 1.46x as fast but "
+                    "lost 6.9% of validation accuracy.")
+
+
+def test_verdict_stays_with_float32_when_nothing_is_faster():
+    slow = _row("mixed_bfloat16", 3.7, 0.97, 1.31 / 3.7)
+    diverged = _row("mixed_float16", 0.5, 0.1, 2.6, diverged=True)
+    policy, text = verdict([FLOAT32, slow, diverged])
+    assert policy == "float32"
+    assert text == ("use float32 here: mixed_bfloat16 ran at 0.35x float32's speed (slower); "
+                    "mixed_float16 diverged.")
+    assert verdict([FLOAT32]) == ("float32", "use float32 here: no mixed policy was run.")
+
+
+def test_verdict_needs_a_float32_baseline():
+    assert verdict([BF16_FAST])[0] is None
+
+
+def test_verdict_threshold():
+    just_below = _row("mixed_bfloat16", 1.0, 0.97, MIN_SPEEDUP - 0.001)
+    assert verdict([FLOAT32, just_below])[0] == "float32"
+    at = _row("mixed_bfloat16", 1.0, 0.97, MIN_SPEEDUP)
+    assert verdict([FLOAT32, at])[0] == "mixed_bfloat16"
+
+
+def test_json_document_carries_rows_skips_and_verdict():
+    skipped = [{"policy": "mixed_float16", "reason": "measured 0.004x"}]
+    document = json.loads(json_document([FLOAT32, BF16_FAST], skipped, device="CPU x"))
+    assert document["recommended_policy"] == "mixed_bfloat16"
+    assert document["verdict"].startswith("use mixed_bfloat16 here")
+    assert document["skipped_policies"] == skipped
+    assert document["results"][1]["epoch_time_max"] == pytest.approx(1.275)
+    assert document["device"] == "CPU x"
+    assert format_skipped(skipped) == ["not run: mixed_float16: measured 0.004x"]
+
+
+def test_plot_has_time_memory_and_accuracy_with_error_bars(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = tmp_path / "plot.png"
+    captured = {}
+    original = plt.close
+
+    def keep(figure):
+        captured["figure"] = figure
+        original(figure)
+
+    plt.close = keep
+    try:
+        plot_results([FLOAT32, BF16_FAST], str(path), title="t")
+    finally:
+        plt.close = original
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    axes = captured["figure"].axes
+    assert [axis.get_title() for axis in axes] == [
+        "epoch time (lower is better)", "memory", "validation accuracy (higher is better)"]
+    # The range over runs is drawn: one error bar per policy on the time axis.
+    error_bars = [c for c in axes[0].containers if type(c).__name__ == "ErrorbarContainer"]
+    assert len(error_bars) == 1
+    segments = error_bars[0].lines[2][0].get_segments()
+    assert [tuple(s[:, 1].round(3)) for s in segments] == [(1.31, 1.638), (1.02, 1.275)]
+    heights = [bar.get_height() for bar in axes[2].patches]
+    assert heights == pytest.approx([96.9, 97.2])
+
+
+# ------------------------------------------------------ choosing policies
+def _hardware(speed=None, cpu=CpuInfo("x", "x86_64", frozenset(), "/proc/cpuinfo")):
+    return inspect_hardware(measure=False, cpu=cpu, gpus=[], speed=speed)
+
+
+def test_all_policies_run_unless_one_is_measured_as_emulated():
+    hardware = _hardware({"float32": 1.0, "mixed_float16": 0.56, "mixed_bfloat16": 0.35})
+    assert choose_policies(None, hardware) == (list(POLICIES), [])
+    emulated = _hardware({"float32": 1.0, "mixed_float16": PATHOLOGICAL_SPEED / 50, "mixed_bfloat16": 2.5})
+    to_run, skipped = choose_policies(None, emulated)
+    assert to_run == ["float32", "mixed_bfloat16"]
+    assert skipped == [{"policy": "mixed_float16", "reason":
+                        "measured 0.005x of float32's speed in the probe on given; "
+                        "--force runs it anyway"}]
+    assert choose_policies(None, emulated, force=True) == (list(POLICIES), [])
+    assert choose_policies(["mixed_float16"], emulated)[0] == []
+
+
+def test_without_a_probe_float16_on_a_cpu_without_it_is_not_run():
+    to_run, skipped = choose_policies(None, _hardware())
+    assert to_run == ["float32", "mixed_bfloat16"]
+    assert skipped[0]["policy"] == "mixed_float16" and "--no-probe" in skipped[0]["reason"]
+    with_fp16 = _hardware(cpu=CpuInfo("x", "aarch64", frozenset({"asimdhp"}), "/proc/cpuinfo"))
+    assert choose_policies(None, with_fp16) == (list(POLICIES), [])
