@@ -51,9 +51,17 @@ def test_custom_training_loop_example(tmp_path):
 def test_tuner_search_example(tmp_path):
     output = _run("tuner_search.py", "--max-trials", "2", "--epochs", "1", "--train-samples", "1000",
                   tmp_path=tmp_path)
-    assert len(re.findall(r"^trial \d+: ", output, flags=re.M)) == 2
+    rows = re.findall(r"^(float32|mixed_\w+)\s+units \d+\s+lr \S+\s+val_accuracy ([\d.]+)  "
+                      r"epoch_time ([\d.]+) s$", output, flags=re.M)
+    assert len(rows) == 2
+    accuracies = [float(accuracy) for _, accuracy, _ in rows]
+    assert accuracies == sorted(accuracies, reverse=True)  # ranked by the one objective
+    searched = re.search(r"policies searched: (.*);", output).group(1).split(", ")
+    assert searched[0] == "float32" and "mixed_bfloat16" in searched
     assert "global policy after the search: float32" in output
-    assert "best: {'dtype_policy'" in output
+    best = re.search(r"^most accurate: (\S+), .*\(val_accuracy ([\d.]+),", output, flags=re.M)
+    assert best.group(1) == rows[0][0] and float(best.group(2)) == accuracies[0]
+    assert re.search(r"^fastest within 0.5 points of it: ", output, flags=re.M)
 
 
 def test_find_the_overflow_example_names_the_layer_and_trains_after_the_fix(tmp_path):
