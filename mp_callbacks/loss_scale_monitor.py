@@ -187,7 +187,12 @@ class LossScaleMonitor(ConfigCopyMixin, keras.callbacks.Callback):
         collapsed = collapsed_at(min(lowest, scale))
         if collapsed and not self._collapsed:
             low = min(lowest, scale)
-            limit = f"its minimum {floor:g}" if low <= floor else f"below {self.collapse_threshold:g}"
+            if low > floor:
+                limit = f"below {self.collapse_threshold:g}"
+            elif self._source.kind == "mp":
+                limit = f"its minimum {floor:g}"
+            else:  # Keras's LossScaleOptimizer has no minimum of its own
+                limit = f"at or below {floor:g}"
             when = (
                 f"by the end of epoch {epoch + 1}" if collapsed_at(scale)
                 else f"during epoch {epoch + 1} (it ended the epoch at {scale:g})"

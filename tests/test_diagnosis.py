@@ -76,6 +76,7 @@ def _data(n=32):
     return rng.normal(size=(n, 4)).astype("float32"), np.zeros((n, 2), "float32")
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the overflow under test
 def test_forward_overflow_in_a_weightless_layer_is_named():
     model = _float16_model(lambda: Rescale(name="boost"))
     x, y = _data()
@@ -155,6 +156,7 @@ def test_subclassed_models_say_what_cannot_be_seen():
     assert any("subclassed" in note for note in report.notes)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the overflow under test
 def test_with_float32_layers_keeps_weights_and_then_trains_without_skips():
     model = _float16_model(lambda: Rescale(name="boost"), loss_scale=mp.DynamicLossScale(initial_scale=256.0))
     x, y = _data()

@@ -159,8 +159,11 @@ def test_keras_loss_scale_optimizer_skips_are_counted_per_epoch():
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
     optimizer = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(1e-3), initial_scale=2.0**10)
     model.compile(optimizer, "mse")
-    history = model.fit(x, targets, epochs=3, batch_size=8, shuffle=False, verbose=0,
-                        callbacks=[mp.LossScaleMonitor(max_skipped_fraction=1.0)]).history
+    # 12 halvings from 1024: below 1 by epoch 3, which the monitor reports.
+    with pytest.warns(mp.MixedPrecisionWarning,
+                      match=r"collapsed to 0.25 \(at or below 1\) by the end of epoch 3"):
+        history = model.fit(x, targets, epochs=3, batch_size=8, shuffle=False, verbose=0,
+                            callbacks=[mp.LossScaleMonitor(max_skipped_fraction=1.0)]).history
     assert history["skipped_steps"] == [4.0, 4.0, 4.0]
     assert int(optimizer.iterations.numpy()) == 0
 
