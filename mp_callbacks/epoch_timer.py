@@ -17,6 +17,10 @@ __all__ = ["EpochTimer"]
 
 logger = logging.getLogger(__name__)
 
+# Where an epoch is: fit's validation runs between training and epoch end,
+# and evaluate() outside an epoch must not be taken for it.
+_IDLE, _TRAINING, _VALIDATING, _VALIDATED = "idle", "training", "validating", "validated"
+
 
 class EpochTimer(ConfigCopyMixin, keras.callbacks.Callback):
     """Times every epoch and puts the figures in the epoch logs.
@@ -65,16 +69,18 @@ class EpochTimer(ConfigCopyMixin, keras.callbacks.Callback):
         self.async_safe = True  # pragma: no mutate (a scheduling hint)
         self.records: list[dict[str, Any]] = []
         self._clock = time.perf_counter
-        self._in_epoch = False
-        self._train_begin = 0.0
-        self._epoch_begin = 0.0
-        self._train_seconds: float | None = None
-        self._samples: float | None = None
-        self._val_begin = 0.0
-        self._val_seconds: float | None = None
-        self._epoch_steps = 0
-        self._total_seconds = 0.0
         self._warned_samples = False
+        # Per-fit and per-epoch state; every hook that reads it is preceded
+        # by the hook that sets it, so these are placeholders.
+        self._phase = _IDLE  # pragma: no mutate
+        self._train_begin = 0.0  # pragma: no mutate
+        self._epoch_begin = 0.0  # pragma: no mutate
+        self._train_seconds = 0.0  # pragma: no mutate
+        self._samples: float | None = None  # pragma: no mutate
+        self._val_begin = 0.0  # pragma: no mutate
+        self._val_seconds: float | None = None  # pragma: no mutate
+        self._epoch_steps = 0  # pragma: no mutate
+        self._total_seconds = 0.0
 
     def get_config(self) -> dict[str, Any]:
         return {"time_validation": self.time_validation, "batch_size": self.batch_size}
@@ -85,10 +91,8 @@ class EpochTimer(ConfigCopyMixin, keras.callbacks.Callback):
         self._train_begin = self._clock()
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._in_epoch = True
-        self._train_seconds = None
+        self._phase = _TRAINING
         self._val_seconds = None
-        self._samples = None
         self._epoch_steps = 0
         self._epoch_begin = self._clock()
 
@@ -96,25 +100,28 @@ class EpochTimer(ConfigCopyMixin, keras.callbacks.Callback):
         self._epoch_steps = max(self._epoch_steps, batch + 1)
 
     def on_test_begin(self, logs=None):
-        if self._in_epoch and self._train_seconds is None:  # fit's validation
+        if self._phase == _TRAINING:  # fit's validation (not evaluate() outside fit)
             self._end_training_part()
+            self._phase = _VALIDATING
             self._val_begin = self._clock()
 
     def on_test_end(self, logs=None):
-        if self._in_epoch and self._train_seconds is not None:
+        if self._phase == _VALIDATING:
             self._val_seconds = self._clock() - self._val_begin
+            self._phase = _VALIDATED
 
     def on_epoch_end(self, epoch, logs=None):
         logs = logs if logs is not None else {}
-        if self._train_seconds is None:
+        if self._phase == _TRAINING:
             self._end_training_part()
-        self._in_epoch = False
+        self._phase = _IDLE
         seconds = self._train_seconds
         record: dict[str, Any] = {
             "epoch": epoch,
             "epoch_time": seconds,
             "steps": self._epoch_steps,
             "samples": self._samples,
+            # A zero-length epoch (a coarse clock, or no step) has no rate.
             "steps_per_sec": self._epoch_steps / seconds if seconds > 0 else 0.0,
             "samples_per_sec": (
                 self._samples / seconds if self._samples is not None and seconds > 0 else None
