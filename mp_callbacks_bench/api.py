@@ -128,8 +128,8 @@ def _check_inputs(settings: BenchSettings) -> str:
             model = build_model(spec, data.input_shape, data.num_classes)
             check_model_fits_data(model, spec, data.x_train, data.num_classes)
         finally:
+            # (No clear_session: in a notebook it would reset the user's state.)
             keras.mixed_precision.set_global_policy(previous)
-            keras.backend.clear_session()
     return data.description
 
 
