@@ -24,7 +24,7 @@ _ACTIONS = ("stop", "raise", "warn")
 
 
 def _layer_of(variable_path: str) -> str:
-    return variable_path.rsplit("/", 1)[0] if "/" in variable_path else variable_path
+    return variable_path.rsplit("/", 1)[0]
 
 
 class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
@@ -126,7 +126,8 @@ class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_steps = 0
-        self._epoch_start_skipped = self._last_state.get("skipped_steps", 0)
+        if self._loss_scale is not None:
+            self._epoch_start_skipped = self._last_state["skipped_steps"]
 
     def on_train_batch_end(self, batch, logs=None):
         self._epoch_steps = max(self._epoch_steps, batch + 1)
@@ -160,9 +161,10 @@ class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
         state = self._loss_scale.diagnostics()
         counts = self._loss_scale.nonfinite_gradient_counts()
         last = self._last_state
-        new_skips = state["skipped_steps"] - last.get("skipped_steps", 0)
-        new_loss_failures = state["nonfinite_loss_steps"] - last.get("nonfinite_loss_steps", 0)
-        new_divergent = state["divergent_steps"] - last.get("divergent_steps", 0)
+        # (on_train_begin read a full state: `last` has every key)
+        new_skips = state["skipped_steps"] - last["skipped_steps"]
+        new_loss_failures = state["nonfinite_loss_steps"] - last["nonfinite_loss_steps"]
+        new_divergent = state["divergent_steps"] - last["divergent_steps"]
         culprits = [
             path for path, count in counts.items() if count > self._last_counts.get(path, 0)
         ]
@@ -234,7 +236,7 @@ class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
                     + "), found by replaying the batch of the last skipped step."
                 )
                 if report.float32_layers:
-                    located += (f" Compute {', '.join(map(repr, report.float32_layers))} in "
+                    located += (f" Compute {', '.join(map(repr, report.float32_layers))} in "  # pragma: no mutate
                                 "float32: mp_callbacks.with_float32_layers(model, "
                                 f"{report.float32_layers!r}).")
             where = f"{located} {variables_text}"

@@ -203,3 +203,107 @@ def test_layer_of_a_variable_path():
 
     assert _layer_of("outer/inner/kernel") == "outer/inner"
     assert _layer_of("kernel") == "kernel"
+
+
+# ---------------------------------- every hook, on a driven loss-scale state
+def _driven(paths=("a/kernel", "b/kernel", "c/kernel"), **monitor_args):
+    """A monitor on a stand-in model whose DynamicLossScale state the test
+    sets step by step (set_state), so each check's arithmetic is exact."""
+    import types
+
+    loss_scale = mp.DynamicLossScale(initial_scale=4.0, min_scale=1.0)
+    loss_scale.build([types.SimpleNamespace(path=p) for p in paths])
+    model = types.SimpleNamespace(name="driven", loss_scale=loss_scale, stop_training=False)
+    monitor = mp.NaNGradientMonitor(**monitor_args)
+    monitor.set_model(model)
+    return monitor, loss_scale, model
+
+
+def _state(loss_scale, counts=(0, 0, 0), **values):
+    state = {"nonfinite_counts": np.array(counts, np.int64), **values}
+    loss_scale.set_state(state)
+
+
+def test_counts_per_check_and_per_epoch_are_exact():
+    monitor, loss_scale, _ = _driven(check_every=2)
+    monitor.on_train_begin()
+    monitor.on_epoch_begin(0)
+    monitor.on_train_batch_end(0)
+    _state(loss_scale, (0, 2, 0), skipped_steps=2, step_count=2)
+    monitor.on_train_batch_end(1)  # step 2: a check
+    assert (monitor.nonfinite_steps, monitor.handled_steps) == (2, 2)
+    logs = {}
+    monitor.on_epoch_end(0, logs)
+    assert logs == {"nonfinite_steps": 2.0}
+    monitor.on_epoch_begin(1)
+    _state(loss_scale, (0, 5, 0), skipped_steps=5, step_count=3)
+    monitor.on_train_batch_end(0)
+    logs = {}
+    monitor.on_epoch_end(1, logs)
+    assert logs == {"nonfinite_steps": 3.0}  # this epoch's, not the total
+    assert (monitor.nonfinite_steps, monitor.handled_steps) == (5, 5)
+    monitor.on_epoch_begin(2)
+    monitor.on_epoch_end(2, None)  # logs=None is allowed
+    assert monitor.error is None
+
+
+def test_reason_follows_what_diverged_at_each_check():
+    monitor, loss_scale, _ = _driven(action="warn", check_every=1)
+    monitor.on_train_begin()
+    monitor.on_epoch_begin(0)
+    _state(loss_scale, scale=1.0, skipped_steps=1, nonfinite_loss_steps=1, divergent_steps=1,
+           divergent_run=1, max_divergent_run=1)
+    with pytest.warns(mp.MixedPrecisionWarning) as caught:
+        monitor.on_train_batch_end(0)
+    assert "step 1: the loss was non-finite" in str(caught[0].message)
+    # Step 2: the loss is finite again, a gradient is not, at the minimum scale.
+    _state(loss_scale, (0, 0, 1), scale=1.0, skipped_steps=2, nonfinite_loss_steps=1,
+           divergent_steps=2, divergent_run=2, max_divergent_run=2)
+    with pytest.warns(mp.MixedPrecisionWarning) as caught:
+        monitor.on_train_batch_end(1)
+    assert ("step 2: gradients were non-finite with the loss scale at its minimum (1)"
+            in str(caught[0].message))
+    assert monitor.error.variables == ["c/kernel"]
+
+
+def test_a_step_number_counts_an_empty_epoch_as_no_steps():
+    monitor, loss_scale, _ = _driven(action="warn", check_every=100)
+    monitor.on_train_begin()
+    monitor.on_epoch_begin(0)
+    monitor.on_epoch_end(0, {})  # an epoch with no step
+    monitor.on_epoch_begin(1)
+    for batch in range(3):
+        monitor.on_train_batch_end(batch)
+    _state(loss_scale, (1, 1, 1), scale=1.0, skipped_steps=1, divergent_steps=1,
+           divergent_run=1, max_divergent_run=1)
+    with pytest.warns(mp.MixedPrecisionWarning, match=r"Training diverged by step 3: "):
+        monitor.on_epoch_end(1, {})
+
+
+def test_without_a_kept_batch_the_origin_is_the_last_of_several_culprits():
+    monitor, loss_scale, _ = _driven(action="warn", check_every=1)
+    monitor.on_train_begin()
+    monitor.on_epoch_begin(0)
+    _state(loss_scale, (1, 1, 1), scale=1.0, skipped_steps=1, divergent_steps=1,
+           divergent_run=1, max_divergent_run=1)
+    with pytest.warns(mp.MixedPrecisionWarning):
+        monitor.on_train_batch_end(0)
+    assert monitor.error.origin == "c"  # nearest the loss of a, b, c
+    assert monitor.error.variables == ["a/kernel", "b/kernel", "c/kernel"]
+
+
+def test_a_stock_model_is_judged_on_the_epoch_end_loss():
+    import types
+
+    model = types.SimpleNamespace(name="stock", stop_training=False)
+    monitor = mp.NaNGradientMonitor(check_every=100)
+    monitor.set_model(model)
+    monitor.on_train_begin()
+    monitor.on_epoch_begin(0)
+    monitor.on_train_batch_end(0, {"loss": 1.0})
+    monitor.on_epoch_end(0, {"loss": float("nan")})
+    assert model.stop_training is True
+    assert monitor.error.variables == [] and monitor.error.origin is None
+    assert str(monitor.error) == (
+        "Training diverged by step 1: the loss was non-finite for at least 1 consecutive step(s). "
+        "No gradient was non-finite at the checks; the loss itself was.")
