@@ -89,17 +89,17 @@ class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
         self.nonfinite_steps = 0
         self.handled_steps = 0
         self.error: NonFiniteGradientError | None = None
-        self._loss_scale = None
+        self._loss_scale = None  # pragma: no mutate (set by on_train_begin before any use)
         # Keras may run batch hooks on a thread pool (async_safe): one check at a time.
         self._lock = threading.Lock()
         self._reset_progress()
 
     def _reset_progress(self) -> None:
         self._steps_before_epoch = 0
-        self._epoch_steps = 0
+        self._epoch_steps = 0  # pragma: no mutate (set by on_epoch_begin before any use)
         self._last_check_step = 0
         self._last_state: dict[str, Any] = {}
-        self._last_counts: dict[str, int] = {}
+        self._last_counts: dict[str, int] = {}  # pragma: no mutate (likewise, on_train_begin)
         self._epoch_start_skipped = 0
         self._nonfinite_loss_checks = 0
 
@@ -173,7 +173,7 @@ class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
         diverged = new_divergent > 0 and state["max_divergent_run"] >= self.patience
         self.nonfinite_steps += new_skips
         self.handled_steps += max(new_skips - new_divergent, 0)
-        if new_skips and not diverged:
+        if new_skips and not diverged:  # pragma: no mutate (a debug message only)
             logger.debug(
                 "NaNGradientMonitor: %d overflowing step(s) skipped by step %d; "
                 "loss scale now %g.", new_skips, step, state["scale"],

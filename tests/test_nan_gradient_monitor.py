@@ -307,3 +307,57 @@ def test_a_stock_model_is_judged_on_the_epoch_end_loss():
     assert str(monitor.error) == (
         "Training diverged by step 1: the loss was non-finite for at least 1 consecutive step(s). "
         "No gradient was non-finite at the checks; the loss itself was.")
+
+
+def test_defaults():
+    monitor = mp.NaNGradientMonitor()
+    assert monitor.get_config() == {"patience": 1, "action": "stop", "check_every": 200}
+    assert monitor.error is None and (monitor.nonfinite_steps, monitor.handled_steps) == (0, 0)
+
+
+def test_culprits_are_the_variables_whose_count_grew_since_the_last_check():
+    monitor, loss_scale, _ = _driven(action="warn", check_every=1)
+    monitor.on_train_begin()
+    monitor.on_epoch_begin(0)
+    _state(loss_scale, (1, 0, 0), scale=2.0, skipped_steps=1)  # handled overflow in a
+    monitor.on_train_batch_end(0)
+    assert monitor.error is None and monitor.handled_steps == 1
+    _state(loss_scale, (1, 1, 0), scale=1.0, skipped_steps=2, divergent_steps=1,
+           divergent_run=1, max_divergent_run=1)
+    with pytest.warns(mp.MixedPrecisionWarning):
+        monitor.on_train_batch_end(1)
+    assert monitor.error.variables == ["b/kernel"] and monitor.error.origin == "b"
+    assert (monitor.nonfinite_steps, monitor.handled_steps) == (2, 1)
+
+
+def test_divergence_without_loss_scaling_says_so():
+    import types
+
+    loss_scale = mp.DynamicLossScale.disabled()
+    loss_scale.build([types.SimpleNamespace(path="a/kernel")])
+    model = types.SimpleNamespace(name="unscaled", loss_scale=loss_scale, stop_training=False)
+    monitor = mp.NaNGradientMonitor(action="stop", check_every=1)
+    monitor.set_model(model)
+    monitor.on_train_begin()
+    monitor.on_epoch_begin(0)
+    _state(loss_scale, (1,), skipped_steps=1, divergent_steps=1, divergent_run=1,
+           max_divergent_run=1)
+    monitor.on_train_batch_end(0)
+    assert model.stop_training is True
+    assert str(monitor.error).startswith(
+        "Training diverged by step 1: gradients were non-finite and no loss scaling is active "
+        "for at least 1 consecutive step(s); loss scale 1. ")
+
+
+def test_a_stock_model_needs_patience_consecutive_non_finite_losses():
+    import types
+
+    model = types.SimpleNamespace(name="stock", stop_training=False)
+    monitor = mp.NaNGradientMonitor(patience=2, check_every=1)
+    monitor.set_model(model)
+    monitor.on_train_begin()
+    monitor.on_epoch_begin(0)
+    monitor.on_train_batch_end(0, {"loss": float("nan")})
+    assert monitor.error is None and model.stop_training is False
+    monitor.on_train_batch_end(1, {"loss": float("inf")})
+    assert model.stop_training is True and "for at least 2 consecutive" in str(monitor.error)
