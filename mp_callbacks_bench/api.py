@@ -70,13 +70,15 @@ def choose_policies(
 ) -> tuple[list[str], list[dict[str, str]]]:
     """The policies to run, and those not run with the reason.
 
-    All policies by default. A policy the probe measured as pathologically
-    slow (emulated; see `mp_callbacks.hardware.PATHOLOGICAL_SPEED`) is not
-    run unless forced; without a measurement, `mixed_float16` is not run on
-    a CPU without native float16, for the same reason.
+    All policies by default: float32 and `mixed_bfloat16` always run (the
+    point is to compare, and bfloat16 is at worst a few times slower), and
+    `mixed_float16` unless the probe measured it as pathologically slow
+    (emulated; see `mp_callbacks.hardware.PATHOLOGICAL_SPEED`: on some CPUs
+    it is hundreds of times slower), or, without a measurement, on a CPU
+    without native float16. `force` runs it anyway.
     """
     policies = list(dict.fromkeys(requested or POLICIES))
-    slow = hardware.slow_policies()
+    slow = {p: why for p, why in hardware.slow_policies().items() if p == "mixed_float16"}
     if hardware.measured is None and not hardware.gpus and not hardware.cpu.native_float16:
         slow.setdefault(
             "mixed_float16",

@@ -150,6 +150,9 @@ def test_all_policies_run_unless_one_is_measured_as_emulated():
                         "--force runs it anyway"}]
     assert choose_policies(None, emulated, force=True) == (list(POLICIES), [])
     assert choose_policies(["mixed_float16"], emulated)[0] == []
+    # bfloat16 is always compared, however slow the probe finds it.
+    slow_bfloat16 = _hardware({"float32": 1.0, "mixed_float16": 0.5, "mixed_bfloat16": 0.01})
+    assert choose_policies(None, slow_bfloat16) == (list(POLICIES), [])
 
 
 def test_without_a_probe_float16_on_a_cpu_without_it_is_not_run():

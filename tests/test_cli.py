@@ -44,13 +44,13 @@ def test_quick_bench_compares_every_policy_the_probe_does_not_rule_out(quick_ben
     document = json.loads(paths["json"].read_text())
     measured = document["hardware"]["measured"]
     assert set(measured) == set(POLICIES) and measured["float32"] == 1.0
-    emulated = [p for p in POLICIES if measured[p] < PATHOLOGICAL_SPEED]
+    emulated = [p for p in ("mixed_float16",) if measured[p] < PATHOLOGICAL_SPEED]
     assert [s["policy"] for s in document["skipped_policies"]] == emulated
     for skipped in document["skipped_policies"]:
         assert "in the probe" in skipped["reason"] and "--force" in skipped["reason"]
     results = {r["policy"]: r for r in document["results"]}
     assert list(results) == [p for p in POLICIES if p not in emulated]
-    assert "mixed_bfloat16" in results  # never pathological on a CPU: always compared
+    assert "mixed_bfloat16" in results  # always compared
     for result in results.values():
         assert RESULT_FIELDS <= set(result)
         assert result["epoch_time_min"] <= result["epoch_time"] <= result["epoch_time_max"]
