@@ -95,7 +95,7 @@ class LossScaleMonitor(ConfigCopyMixin, keras.callbacks.Callback):
         # Batch hooks only count steps (no tensor reads between N-step
         # records), so Keras may keep dispatching them asynchronously.
         self.async_safe = True  # pragma: no mutate (a scheduling hint)
-        self._reset(LossScaleSource("none"))
+        self._reset(LossScaleSource("none"))  # pragma: no mutate (on_train_begin sets the source)
 
     def _reset(self, source: LossScaleSource) -> None:
         """Everything is per fit, as in keras.callbacks.History: a monitor
@@ -104,7 +104,7 @@ class LossScaleMonitor(ConfigCopyMixin, keras.callbacks.Callback):
         self._source = source
         self._steps_before_epoch = 0
         self._last_recorded_step = 0
-        self._collapsed = False
+        self._collapsed = False  # pragma: no mutate (None would do as well)
         # Set again by on_epoch_begin before any use: placeholders.
         self._epoch_steps = 0  # pragma: no mutate
         self._lowest_scale = math.inf  # pragma: no mutate

@@ -194,3 +194,73 @@ def test_a_collapse_before_this_fit_is_not_reported_and_one_at_epoch_end_names_t
     with pytest.warns(mp.MixedPrecisionWarning, match=r"collapsed to 1 \(its minimum 1\) by the end of epoch 2"):
         model2.fit(*data, batch_size=32, epochs=2, verbose=0, shuffle=False,
                    callbacks=[mp.LossScaleMonitor(max_skipped_fraction=1.0)])
+
+
+# ------------------------------- every hook, on a driven loss-scale state
+def _driven_monitor(**monitor_args):
+    import types
+
+    loss_scale = mp.DynamicLossScale(initial_scale=1024.0, min_scale=1.0)
+    model = types.SimpleNamespace(name="driven", loss_scale=loss_scale)
+    monitor = mp.LossScaleMonitor(**monitor_args)
+    monitor.set_model(model)
+    return monitor, loss_scale
+
+
+def test_every_step_is_recorded_with_every_n_steps_one_and_an_empty_epoch_adds_no_step():
+    monitor, loss_scale = _driven_monitor(every_n_steps=1)
+    monitor.on_train_begin()
+    monitor.on_epoch_begin(0)
+    for batch, scale in enumerate((1024.0, 512.0)):
+        loss_scale.set_state({"scale": scale})
+        monitor.on_train_batch_end(batch)
+    monitor.on_epoch_end(0, {})
+    monitor.on_epoch_begin(1)
+    monitor.on_epoch_end(1, {})  # no step in this epoch
+    monitor.on_epoch_begin(2)
+    loss_scale.set_state({"scale": 256.0})
+    monitor.on_train_batch_end(0)
+    logs = {}
+    monitor.on_epoch_end(2, logs)
+    assert monitor.history == [
+        {"epoch": 0, "step": 1, "loss_scale": 1024.0},
+        {"epoch": 0, "step": 2, "loss_scale": 512.0},
+        {"epoch": 1, "step": 2, "loss_scale": 512.0},
+        {"epoch": 2, "step": 3, "loss_scale": 256.0},
+    ]
+    assert logs == {"loss_scale": 256.0}
+
+
+def test_keras_optimizer_skips_are_counted_per_epoch_when_some_steps_apply():
+    x, _ = classification_data(n=16)
+    x = np.concatenate([x, x])
+    x[[19, 27]] = np.nan  # epoch data: 4 batches of 8; batches 2 and 3 hold a NaN
+    targets = np.zeros((32, 3), "float32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    optimizer = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(1e-3),
+                                                         initial_scale=2.0**10)
+    model.compile(optimizer, "mse")
+    history = model.fit(x, targets, epochs=3, batch_size=8, shuffle=False, verbose=0,
+                        callbacks=[mp.LossScaleMonitor(max_skipped_fraction=1.0)]).history
+    # 2 of 4 steps skipped in every epoch: each epoch counts its own.
+    assert history["skipped_steps"] == [2.0, 2.0, 2.0]
+    assert int(optimizer.iterations.numpy()) == 6
+
+
+def test_a_skipped_steps_entry_already_in_the_logs_is_kept():
+    import types
+
+    optimizer = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=8.0)
+    model = types.SimpleNamespace(name="custom", optimizer=optimizer,
+                                  dtype_policy=keras.DTypePolicy("float32"))
+    monitor = mp.LossScaleMonitor(max_skipped_fraction=1.0)
+    monitor.set_model(model)
+    monitor.on_train_begin()
+    monitor.on_epoch_begin(0)
+    monitor.on_train_batch_end(0)
+    # The optimizer applied no step, so the monitor would count 1 skipped;
+    # the model's own count says 0 and is kept.
+    logs = {"skipped_steps": 0.0}
+    monitor.on_epoch_end(0, logs)
+    assert logs == {"skipped_steps": 0.0, "loss_scale": 8.0}
