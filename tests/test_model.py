@@ -462,3 +462,30 @@ def test_set_loss_scale_replaces_the_scale_and_retraces():
     assert history["loss_scale"] == [256.0]
     model.set_loss_scale("auto")  # compiled: resolved at once
     assert model.loss_scale.get_config()["max_scale"] == 1.0
+
+
+class _LossInputsRecorder(mp.MixedPrecisionModel):
+    """Overrides compute_loss the way Keras documents it, and keeps what it
+    was given (x and training), as tensors the step returns."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        self.seen_x_sum = keras.ops.sum(x) if x is not None else keras.ops.convert_to_tensor(-1.0)
+        self.seen_training = training
+        return super().compute_loss(x, y, y_pred, sample_weight, training=training)
+
+
+def test_compute_loss_overrides_get_the_batch_and_training_true_and_the_tracker_counts_samples():
+    keras.mixed_precision.set_global_policy("float32")
+    inputs = keras.Input((3,))
+    model = _LossInputsRecorder(inputs, keras.layers.Dense(1)(inputs), name="recorder")
+    model.compile("sgd", "mse", run_eagerly=True)  # what compute_loss saw stays readable
+    x = np.full((50, 3), 0.5, "float32")
+    timer = mp.EpochTimer()
+    model.fit(x, np.zeros((50, 1)), batch_size=16, epochs=1, shuffle=False, verbose=0,
+              callbacks=[timer])
+    assert model.seen_training is True
+    # The last compute_loss call saw the last, partial batch: 2 rows of 0.5 x 3.
+    assert float(model.seen_x_sum) == pytest.approx(3.0)
+    # Keras's loss tracker is weighted by the batch's sample count: 50 in all.
+    assert float(model._loss_tracker.count.numpy()) == 50.0
+    assert timer.records[0]["samples"] == 50.0
