@@ -418,16 +418,14 @@ class MixedPrecisionModel(keras.Model):
                 next(t for t in tf.nest.flatten(x) if t is not None)
             )[0]
             # Keras divides the loss by the replica count under tf.distribute.
-            self._loss_tracker.update_state(
-                loss * num_replicas if num_replicas > 1 else loss,
-                sample_weight=batch_size,
-            )
+            self._loss_tracker.update_state(loss * num_replicas, sample_weight=batch_size)
             scaled_loss = loss_scale.scale(loss)
 
         variables = self.trainable_variables
         if not variables:
             logger.warning("The model does not have any trainable weights.")
-            applied = tf.constant(False)
+            # Nothing to apply is not a skipped step: no overflow happened.
+            applied = tf.constant(True)
             grad_norm = tf.constant(0.0)
         else:
             grads = loss_scale.unscale(tape.gradient(scaled_loss, variables), variables)

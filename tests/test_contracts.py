@@ -86,6 +86,29 @@ def test_float8_state_variables_train_as_in_stock_keras():
     assert ours["f8/inputs_scale"] > 1e-4  # never unscaled by 2**15
 
 
+def test_grad_norm_leaves_out_float8_state_variables():
+    # Their "gradients" are the new scale and history values, not gradients.
+    keras.config.set_dtype_policy("float32")
+    model = _float8_model(mp.MixedPrecisionModel)
+    model.compile(keras.optimizers.SGD(0.0), "mse")
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(8, 8)).astype("float32")
+    y = rng.normal(size=(8, 2)).astype("float32")
+    variables = model.trainable_variables
+    real = [not getattr(v, "overwrite_with_gradient", False) for v in variables]
+    assert 0 < sum(real) < len(variables)
+    @tf.function  # float8's custom gradient works in a graph, as in fit
+    def gradients_at_start():
+        with tf.GradientTape() as tape:
+            loss = keras.losses.MeanSquaredError()(y, model(x, training=True))
+        return tape.gradient(loss, variables)
+
+    gradients = gradients_at_start()
+    expected = float(tf.linalg.global_norm([g for g, r in zip(gradients, real) if r]))
+    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False).history
+    assert history["grad_norm"][0] == pytest.approx(expected, rel=1e-3)
+
+
 def test_float8_state_passes_the_optimizer_wrapper_unscaled():
     keras.config.set_dtype_policy("mixed_float16")
     model = _float8_model(keras.Model)

@@ -489,3 +489,16 @@ def test_compute_loss_overrides_get_the_batch_and_training_true_and_the_tracker_
     # Keras's loss tracker is weighted by the batch's sample count: 50 in all.
     assert float(model._loss_tracker.count.numpy()) == 50.0
     assert timer.records[0]["samples"] == 50.0
+
+
+def test_a_model_without_trainable_weights_skips_nothing(caplog):
+    keras.mixed_precision.set_global_policy("float32")
+    inputs = keras.Input((3,))
+    dense = keras.layers.Dense(1, name="frozen")
+    model = mp.MixedPrecisionModel(inputs, dense(inputs))
+    dense.trainable = False
+    model.compile("sgd", "mse")
+    with caplog.at_level("WARNING", logger="mp_callbacks.model"):
+        history = model.fit(np.ones((8, 3)), np.zeros((8, 1)), batch_size=4, verbose=0).history
+    assert history["skipped_steps"] == [0.0] and history["grad_norm"] == [0.0]
+    assert "The model does not have any trainable weights." in caplog.text
