@@ -502,3 +502,47 @@ def test_a_model_without_trainable_weights_skips_nothing(caplog):
         history = model.fit(np.ones((8, 3)), np.zeros((8, 1)), batch_size=4, verbose=0).history
     assert history["skipped_steps"] == [0.0] and history["grad_norm"] == [0.0]
     assert "The model does not have any trainable weights." in caplog.text
+
+
+def _twin_regressions():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((3,))
+    ours = mp.MixedPrecisionModel(inputs, keras.layers.Dense(1)(inputs))
+    stock_inputs = keras.Input((3,))
+    stock = keras.Model(stock_inputs, keras.layers.Dense(1)(stock_inputs))
+    stock.set_weights(ours.get_weights())
+    for model in (ours, stock):
+        model.compile(keras.optimizers.SGD(0.0), "mse", metrics=["mae"], weighted_metrics=["mse"])
+    return ours, stock
+
+
+def test_sample_weights_reach_the_metrics_as_in_a_stock_model():
+    keras.mixed_precision.set_global_policy("float32")
+    ours, stock = _twin_regressions()
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(16, 3)), rng.normal(size=(16, 1))
+    weights = np.linspace(0.0, 3.0, 16)
+    logs = [m.fit(x, y, sample_weight=weights, batch_size=8, shuffle=False, verbose=0).history
+            for m in (ours, stock)]
+    assert logs[0]["mae"] == pytest.approx(logs[1]["mae"], rel=1e-6)
+    assert logs[0]["mse"] == pytest.approx(logs[1]["mse"], rel=1e-6)  # weighted
+    assert logs[0]["loss"] == pytest.approx(logs[1]["loss"], rel=1e-6)
+
+
+def test_grad_norm_is_the_mean_over_applied_steps_only():
+    keras.mixed_precision.set_global_policy("float32")
+    ours, _ = _twin_regressions()
+    rng = np.random.default_rng(5)
+    x, y = rng.normal(size=(16, 3)).astype("float32"), rng.normal(size=(16, 1)).astype("float32")
+    x[12] = np.nan  # the second batch of 8 is skipped
+
+    @tf.function
+    def norm_of_first_batch():
+        with tf.GradientTape() as tape:
+            loss = keras.losses.MeanSquaredError()(y[:8], ours(x[:8]))
+        return tf.linalg.global_norm(tape.gradient(loss, ours.trainable_variables))
+
+    expected = float(norm_of_first_batch())
+    history = ours.fit(x, y, batch_size=8, shuffle=False, verbose=0).history
+    assert history["skipped_steps"] == [1.0]
+    assert history["grad_norm"][0] == pytest.approx(expected, rel=1e-5)
