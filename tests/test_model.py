@@ -546,3 +546,29 @@ def test_grad_norm_is_the_mean_over_applied_steps_only():
     history = ours.fit(x, y, batch_size=8, shuffle=False, verbose=0).history
     assert history["skipped_steps"] == [1.0]
     assert history["grad_norm"][0] == pytest.approx(expected, rel=1e-5)
+
+
+def test_grad_norm_under_mirrored_strategy_is_each_replicas_batch_gradient_norm(two_cpu_strategy):
+    # Keras divides each replica's loss by the replica count, so each
+    # replica's gradient is a share; the logged norm undoes that: it is the
+    # mean, over replicas, of the norm of the gradient of its own batch's loss.
+    keras.mixed_precision.set_global_policy("float32")
+    rng = np.random.default_rng(6)
+    x, y = rng.normal(size=(16, 3)).astype("float32"), rng.normal(size=(16, 1)).astype("float32")
+    with two_cpu_strategy.scope():
+        keras.utils.set_random_seed(7)
+        inputs = keras.Input((3,))
+        model = mp.MixedPrecisionModel(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(keras.optimizers.SGD(0.0), "mse")
+    plain_inputs = keras.Input((3,))
+    plain = keras.Model(plain_inputs, keras.layers.Dense(1)(plain_inputs))
+    plain.set_weights(model.get_weights())
+
+    def norm_of(xs, ys):
+        with tf.GradientTape() as tape:
+            loss = keras.losses.MeanSquaredError()(ys, plain(xs))
+        return float(tf.linalg.global_norm(tape.gradient(loss, plain.trainable_variables)))
+
+    expected = (norm_of(x[:8], y[:8]) + norm_of(x[8:], y[8:])) / 2
+    history = model.fit(x, y, batch_size=16, shuffle=False, verbose=0).history
+    assert history["grad_norm"][0] == pytest.approx(expected, rel=1e-5)
