@@ -100,15 +100,7 @@ def _output_size_layers(output_layers: list[Any]) -> list[Any]:
     """The layers whose size is the output's, set by the task (a class
     count): the output layers, and the layer behind a head of activations,
     casts, dropout or reshapes (a Dense(classes) before a float32 softmax)."""
-    found, frontier = [], list(output_layers)
-    while frontier:
-        layer = frontier.pop(0)
-        if layer in found:
-            continue
-        found.append(layer)
-        if isinstance(layer, _FEATURE_PRESERVING):
-            frontier.extend(_parents(layer))
-    return found
+    return _walk_back(output_layers, lambda layer: isinstance(layer, _FEATURE_PRESERVING))
 
 
 def _shape(tensor: Any) -> tuple | None:
@@ -165,18 +157,24 @@ def _parents(layer: Any) -> list[Any]:
     return parents
 
 
-def _layers_feeding_loss(output_layers: list[Any]) -> list[Any]:
-    """The output layers, and behind pass-through ones (a float32 cast
-    after a softmax) the layers whose values reach the loss unchanged."""
+def _walk_back(output_layers: list[Any], passes_through) -> list[Any]:
+    """The output layers, and the layers behind those for which
+    `passes_through(layer)` is true, breadth first, each once."""
     found, frontier = [], list(output_layers)
     while frontier:
         layer = frontier.pop(0)
         if layer in found:
             continue
         found.append(layer)
-        if _is_pass_through(layer):
+        if passes_through(layer):
             frontier.extend(_parents(layer))
     return found
+
+
+def _layers_feeding_loss(output_layers: list[Any]) -> list[Any]:
+    """The output layers, and behind pass-through ones (a float32 cast
+    after a softmax) the layers whose values reach the loss unchanged."""
+    return _walk_back(output_layers, _is_pass_through)
 
 
 def _size_of(layer: Any) -> tuple[str, int] | None:
