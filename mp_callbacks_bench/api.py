@@ -215,14 +215,6 @@ def run_bench(
         raise BenchError(
             "no policy left to run: " + "; ".join(f"{s['policy']}: {s['reason']}" for s in skipped)
         )
-    measured = hardware.measured or {}
-    for policy in to_run:
-        if policy != "float32" and measured.get(policy, 1.0) < 1.0:
-            logger.warning(
-                "note: %s measured %.2fx of float32's speed in the probe; %s",
-                policy, measured[policy],
-                "running it as asked" if policies else "it runs for the comparison",
-            )
     settings = BenchSettings(
         policies=to_run,
         model=spec_text,
@@ -236,6 +228,15 @@ def run_bench(
         quiet=quiet,
     )
     data_description = _check_inputs(settings)
+    # Notes come after the inputs are checked: a bad input stays one line.
+    measured = hardware.measured or {}
+    for policy in to_run:
+        if policy != "float32" and measured.get(policy, 1.0) < 1.0:
+            logger.warning(
+                "note: %s measured %.2fx of float32's speed in the probe; %s",
+                policy, measured[policy],
+                "running it as asked" if policies else "it runs for the comparison",
+            )
     logger.info(
         "mp-callbacks bench: model %s, %s, batch %d, policies %s; device: %s",
         settings.model, f"{settings.epochs} epoch" + ("" if settings.epochs == 1 else "s"),

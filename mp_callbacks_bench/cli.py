@@ -164,15 +164,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
 
 
+_PROGRESS_HANDLER = logging.StreamHandler()
+_PROGRESS_HANDLER.setFormatter(logging.Formatter("%(message)s"))
+
+
 def _show_progress(enabled: bool) -> None:
     """The benchmark reports progress through logging; show it on stderr
-    (warnings even under --quiet)."""
+    (warnings even under --quiet). The handler writes to this call's
+    sys.stderr: main() may run again in one process with another stream."""
     logger = logging.getLogger("mp_callbacks_bench")
     logger.setLevel(logging.INFO if enabled else logging.WARNING)
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        logger.addHandler(handler)
+    _PROGRESS_HANDLER.stream = sys.stderr  # (setStream would flush a closed old one)
+    if _PROGRESS_HANDLER not in logger.handlers:
+        logger.addHandler(_PROGRESS_HANDLER)
         logger.propagate = False
 
 
