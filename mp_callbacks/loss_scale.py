@@ -44,15 +44,14 @@ _ONLY_FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
 _no_autograph = tf.autograph.experimental.do_not_convert
 _OWNER = "DynamicLossScale"
 
-#: The range of every loss scale (fixed, initial, min and max): 2**-24,
-#: float16's smallest positive value, to 2**64. A scale exists to move
-#: gradients into the compute dtype's range. Below the floor, a loss of order
+#: The smallest loss scale accepted anywhere (fixed, initial, min or max):
+#: 2**-24, float16's smallest positive value. A scale exists to move
+#: gradients into the compute dtype's range; far below this, a loss of order
 #: one times the scale leaves float32 gradients that CPUs flush to zero, and
-#: above the ceiling it leaves them no headroom: either way a fixed scale
-#: would train nothing, every step applying zeros or being skipped.
+#: every step silently applies zeros. (Too high a scale is not silent: its
+#: steps overflow and are counted as skipped, so only float32's range caps it.)
 MIN_LOSS_SCALE = 2.0**-24
-MAX_LOSS_SCALE = 2.0**64
-SCALE_REQUIREMENT = "a number from 2**-24 (5.96e-08) to 2**64 (1.84e+19)"
+SCALE_REQUIREMENT = "a finite number >= 2**-24 (5.96e-08)"
 
 
 class _StateVariable(NamedTuple):
@@ -160,9 +159,8 @@ class DynamicLossScale(tf.Module):
         backoff_factor: factor in (0, 1) by which the scale shrinks after
             an overflow.
         min_scale: the scale never falls below this.
-        max_scale: the scale never grows above this. All three scales lie
-            in [2**-24, 2**64]: outside it a loss of order one leaves
-            gradients that underflow to zero or overflow.
+        max_scale: the scale never grows above this. All three scales are at
+            least 2**-24: below it, gradients underflow to zero.
         hysteresis: number of overflowing steps tolerated before backing off
             (Megatron-LM and DeepSpeed's `hysteresis`); 1 backs off on every
             overflow.
@@ -209,7 +207,7 @@ class DynamicLossScale(tf.Module):
         name: str = "dynamic_loss_scale",
     ) -> None:
         initial_scale, min_scale, max_scale = (
-            check_real(_OWNER, argument, value, low=MIN_LOSS_SCALE, high=MAX_LOSS_SCALE,
+            check_real(_OWNER, argument, value, low=MIN_LOSS_SCALE, float32=True,
                        requirement=SCALE_REQUIREMENT)
             for argument, value in (
                 ("initial_scale", initial_scale),
@@ -797,7 +795,7 @@ def loss_scale_from_argument(value: Any, owner: str = "MixedPrecisionModel") -> 
         return keras.saving.deserialize_keras_object(value)
     if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
         scale = check_real(
-            owner, "loss_scale", value, low=MIN_LOSS_SCALE, high=MAX_LOSS_SCALE,
+            owner, "loss_scale", value, low=MIN_LOSS_SCALE, float32=True,
             requirement=f"{SCALE_REQUIREMENT} when it is a fixed scale",
         )
         return DynamicLossScale.fixed(scale)

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Sequence
 from mp_callbacks._backend import keras
 from mp_callbacks._validation import check_real, fail
 from mp_callbacks.hardware import POLICIES
-from mp_callbacks.loss_scale import MAX_LOSS_SCALE, MIN_LOSS_SCALE, SCALE_REQUIREMENT, DynamicLossScale
+from mp_callbacks.loss_scale import MIN_LOSS_SCALE, SCALE_REQUIREMENT, DynamicLossScale
 from mp_callbacks.model import MixedPrecisionModel
 
 try:
@@ -101,7 +101,7 @@ class MixedPrecisionHyperModel(kt.HyperModel):
                 if argument in ("initial_scale", "min_scale", "max_scale"):
                     # Their bounds depend on each other: checked alone here.
                     check_real("MixedPrecisionHyperModel", f"loss_scale_space[{argument!r}]",
-                               value, low=MIN_LOSS_SCALE, high=MAX_LOSS_SCALE,
+                               value, low=MIN_LOSS_SCALE, float32=True,
                                requirement=SCALE_REQUIREMENT)
                 else:
                     DynamicLossScale(**{argument: value})
