@@ -8,6 +8,11 @@ feed-forward), each trained with stock `keras.Model` and with
 `--steps` steps each in alternation (the order flips every round). Prints
 per-round ratios, their median and the best-epoch ratio (goal: <= 1.03).
 
+`--peer` adds a third contender: stock `keras.Model` with Keras's own
+`keras.optimizers.LossScaleOptimizer`, which also skips non-finite steps
+and so also applies no update before every gradient is checked; its ratio
+to stock is what skipping costs in Keras itself.
+
     python benchmarks/real_models.py                      # both, float32, 5 rounds
     python benchmarks/real_models.py --model transformer --policy mixed_bfloat16
 """
@@ -64,6 +69,8 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20, help="steps per epoch")
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--peer", action="store_true",
+                        help="also time stock keras.Model with keras.optimizers.LossScaleOptimizer")
     add_threads_option(parser)
     args = parser.parse_args(argv)
     apply_threads(args.threads)
@@ -78,14 +85,24 @@ def main(argv=None):
         ours = mp.MixedPrecisionModel.from_model(build())
         for model in (stock, ours):
             model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy")
+        contenders = {"stock": (stock, []), "MixedPrecisionModel": (ours, [])}
+        if args.peer:
+            keras.utils.set_random_seed(0)
+            peer = build()
+            # auto_scale_loss=False: compile must not wrap it a second time.
+            peer.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)),
+                         "sparse_categorical_crossentropy", auto_scale_loss=False)
+            contenders["keras LossScaleOptimizer"] = (peer, [])
         print(f"{name}: policy {args.policy}, {len(stock.trainable_variables)} trainable variables, "
               f"{args.steps} steps of {args.batch_size} per epoch, {args.rounds} interleaved rounds, "
               f"threads {args.threads or 'default'}; "
               f"TensorFlow {tf.__version__}, Keras {keras.__version__}")
-        times = compare({"stock": (stock, []), "MixedPrecisionModel": (ours, [])},
-                        data, args.rounds, args.batch_size)
+        times = compare(contenders, data, args.rounds, args.batch_size)
         report(f"{name}: MixedPrecisionModel vs keras.Model (epoch time ratio)", times,
                "stock", "MixedPrecisionModel")
+        if args.peer:
+            report(f"{name}: keras.Model + Keras's LossScaleOptimizer vs keras.Model", times,
+                   "stock", "keras LossScaleOptimizer")
 
 
 if __name__ == "__main__":
