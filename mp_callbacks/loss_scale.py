@@ -48,10 +48,23 @@ _OWNER = "DynamicLossScale"
 #: 2**-24, float16's smallest positive value. A scale exists to move
 #: gradients into the compute dtype's range; far below this, a loss of order
 #: one times the scale leaves float32 gradients that CPUs flush to zero, and
-#: every step silently applies zeros. (Too high a scale is not silent: its
-#: steps overflow and are counted as skipped, so only float32's range caps it.)
+#: every step silently applies zeros.
 MIN_LOSS_SCALE = 2.0**-24
+#: The largest fixed scale given as a plain number. A fixed scale cannot back
+#: off, so one that overflows does so on every step; up to 2**64, gradients
+#: keep 2**64 of float32's range (about as much as the floor leaves below).
+#: A `DynamicLossScale` takes any float32 scale, e.g. 2**127 to provoke
+#: overflows on purpose.
+MAX_FIXED_LOSS_SCALE = 2.0**64
 SCALE_REQUIREMENT = "a finite number >= 2**-24 (5.96e-08)"
+FIXED_SCALE_REQUIREMENT = "a number from 2**-24 (5.96e-08) to 2**64 (1.84e+19) when it is a fixed scale"
+
+
+def check_fixed_scale(owner: str, argument: str, value: Any) -> float:
+    """A fixed loss scale given as a plain number, as a float; raises
+    naming `argument` outside [MIN_LOSS_SCALE, MAX_FIXED_LOSS_SCALE]."""
+    return check_real(owner, argument, value, low=MIN_LOSS_SCALE, high=MAX_FIXED_LOSS_SCALE,
+                      requirement=FIXED_SCALE_REQUIREMENT)
 
 
 class _StateVariable(NamedTuple):
@@ -794,9 +807,5 @@ def loss_scale_from_argument(value: Any, owner: str = "MixedPrecisionModel") -> 
     if isinstance(value, dict) and value:
         return keras.saving.deserialize_keras_object(value)
     if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
-        scale = check_real(
-            owner, "loss_scale", value, low=MIN_LOSS_SCALE, float32=True,
-            requirement=f"{SCALE_REQUIREMENT} when it is a fixed scale",
-        )
-        return DynamicLossScale.fixed(scale)
+        return DynamicLossScale.fixed(check_fixed_scale(owner, "loss_scale", value))
     fail(owner, "loss_scale", value, requirement, TypeError)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable
 from mp_callbacks._backend import keras, tf
 from mp_callbacks._validation import check_int, fail
 from mp_callbacks.errors import MixedPrecisionWarning
-from mp_callbacks.loss_scale import DynamicLossScale, loss_scale_from_argument
+from mp_callbacks.loss_scale import DynamicLossScale, check_fixed_scale, loss_scale_from_argument
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -225,7 +225,9 @@ class LossScaleOptimizer(keras.optimizers.Optimizer):
                     f"{_OWNER}: {', '.join(extra)} only apply to a dynamic loss scale, "
                     "but dynamic=False."
                 )
-            self_loss_scale = DynamicLossScale.fixed(initial_scale)
+            self_loss_scale = DynamicLossScale.fixed(
+                check_fixed_scale(_OWNER, "initial_scale", initial_scale)
+            )
         super().__init__(learning_rate=0.0, name=name)
         if inner_optimizer.loss_scale_factor is not None:
             logger.info(

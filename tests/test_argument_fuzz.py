@@ -56,18 +56,13 @@ def eager_model():
     return model
 
 
-def _fit(model, callback, overflow_reported=False):
-    """Fits two steps: the weights must change, or (`overflow_reported`) both
-    steps must be reported as skipped, which is what a fixed scale too high
-    for this loss does, loudly."""
+def _fit(model, callback):
     x = np.ones((8, 3), "float32")
     before = [w.copy() for w in model.get_weights()]
     history = model.fit(x, np.zeros((8, 2), "float32"), batch_size=4, epochs=1, verbose=0,
                         callbacks=[callback])
     assert math.isfinite(history.history["loss"][0])
-    if any(not np.array_equal(a, b) for a, b in zip(before, model.get_weights())):
-        return
-    assert overflow_reported and history.history["skipped_steps"] == [2.0]  # both steps
+    assert any(not np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
 
 
 DYNAMIC_ARGS = ["initial_scale", "growth_interval", "growth_factor", "backoff_factor",
@@ -116,9 +111,7 @@ def test_model_loss_scale_argument(value):
     if model is None:
         return
     model.compile(keras.optimizers.SGD(0.01), "mse", run_eagerly=True)
-    # Above about 2**100 this loss's scaled gradients overflow float32.
-    huge = isinstance(value, (int, float, np.number)) and float(value) > 2.0**100
-    _fit(model, keras.callbacks.Callback(), overflow_reported=huge)
+    _fit(model, keras.callbacks.Callback())
     assert math.isfinite(model.get_loss_scale()) and model.get_loss_scale() > 0
 
 

@@ -56,15 +56,42 @@ def test_scales_whose_gradients_underflow_are_refused_and_the_floor_trains():
     for argument in ("initial_scale", "min_scale", "max_scale"):
         with pytest.raises(ValueError, match=f"`{argument}` {message}"):
             DynamicLossScale(**{"initial_scale": 1.0, "min_scale": 1.0, argument: tiny})
-    with pytest.raises(ValueError, match=f"`loss_scale` {message}"):
+    fixed = r"must be a number from 2\*\*-24 \(5.96e-08\) to 2\*\*64 \(1.84e\+19\) when it is a fixed"
+    with pytest.raises(ValueError, match=f"`loss_scale` {fixed}"):
         mp.MixedPrecisionModel(inputs, outputs, loss_scale=MIN_LOSS_SCALE / 2)
-    with pytest.raises(ValueError, match=f"`initial_scale` {message}"):
+    with pytest.raises(ValueError, match=f"`initial_scale` {fixed}"):
         mp.LossScaleOptimizer(keras.optimizers.SGD(), dynamic=False, initial_scale=tiny)
     model = mp.MixedPrecisionModel(inputs, outputs, loss_scale=MIN_LOSS_SCALE)
     model.compile(keras.optimizers.SGD(0.1), "mse", run_eagerly=True)
     before = model.get_weights()
     model.fit(np.ones((4, 2), "float32"), np.full((4, 1), 3.0, "float32"), epochs=1, verbose=0)
     assert model.get_loss_scale() == MIN_LOSS_SCALE
+    assert all(not np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+
+
+def test_a_fixed_scale_that_overflows_every_step_is_refused_unless_asked_for_in_full():
+    """A plain-number fixed scale of 2**126 was accepted and skipped every
+    step; it cannot back off. DynamicLossScale still takes it (tests use it
+    to provoke overflows), and 2**64 itself trains."""
+    from mp_callbacks.loss_scale import MAX_FIXED_LOSS_SCALE
+
+    inputs = keras.Input((2,))
+    outputs = keras.layers.Dense(1)(inputs)
+    fixed = r"must be a number from 2\*\*-24 \(5.96e-08\) to 2\*\*64 \(1.84e\+19\) when it is a fixed"
+    for value in (2.0**126, np.float32(2.0**65)):
+        with pytest.raises(ValueError, match=f"`loss_scale` {fixed} scale; received loss_scale="):
+            mp.MixedPrecisionModel(inputs, outputs, loss_scale=value)
+        with pytest.raises(ValueError, match=f"`loss_scale` {fixed}"):
+            mp.LossScaleOptimizer(keras.optimizers.SGD(), loss_scale=value)
+        with pytest.raises(ValueError, match=f"`initial_scale` {fixed}"):
+            mp.LossScaleOptimizer(keras.optimizers.SGD(), dynamic=False, initial_scale=value)
+    assert DynamicLossScale.fixed(2.0**126).get_scale() == 2.0**126
+    model = mp.MixedPrecisionModel(inputs, outputs, loss_scale=MAX_FIXED_LOSS_SCALE)
+    model.compile(keras.optimizers.SGD(0.1), "mse", run_eagerly=True)
+    before = model.get_weights()
+    history = model.fit(np.ones((4, 2), "float32"), np.full((4, 1), 3.0, "float32"), epochs=1,
+                        verbose=0)
+    assert history.history["skipped_steps"] == [0.0]
     assert all(not np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
 
 
@@ -298,8 +325,8 @@ def test_loss_scale_argument_errors_say_exactly_what_is_accepted():
     cases = [
         ("dynamic", ValueError, f"Owner: `loss_scale` must be {general}; received loss_scale='dynamic'."),
         ([], TypeError, f"Owner: `loss_scale` must be {general}; received loss_scale=[]."),
-        (0, ValueError, "Owner: `loss_scale` must be a finite number >= 2**-24 (5.96e-08) when "
-                        "it is a fixed scale; received loss_scale=0."),
+        (0, ValueError, "Owner: `loss_scale` must be a number from 2**-24 (5.96e-08) to 2**64 "
+                        "(1.84e+19) when it is a fixed scale; received loss_scale=0."),
     ]
     for value, error, message in cases:
         with pytest.raises(error) as caught:
