@@ -465,13 +465,17 @@ def test_set_loss_scale_replaces_the_scale_and_retraces():
 
 
 class _LossInputsRecorder(mp.MixedPrecisionModel):
-    """Overrides compute_loss the way Keras documents it, and keeps what it
-    was given (x and training), as tensors the step returns."""
+    """Overrides compute_loss and compute_metrics the way Keras documents
+    them, and keeps what they were given (x and training)."""
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
         self.seen_x_sum = keras.ops.sum(x) if x is not None else keras.ops.convert_to_tensor(-1.0)
         self.seen_training = training
         return super().compute_loss(x, y, y_pred, sample_weight, training=training)
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        self.metrics_x_sum = keras.ops.sum(x) if x is not None else keras.ops.convert_to_tensor(-1.0)
+        return super().compute_metrics(x, y, y_pred, sample_weight)
 
 
 def test_compute_loss_overrides_get_the_batch_and_training_true_and_the_tracker_counts_samples():
@@ -486,9 +490,27 @@ def test_compute_loss_overrides_get_the_batch_and_training_true_and_the_tracker_
     assert model.seen_training is True
     # The last compute_loss call saw the last, partial batch: 2 rows of 0.5 x 3.
     assert float(model.seen_x_sum) == pytest.approx(3.0)
+    assert float(model.metrics_x_sum) == pytest.approx(3.0)  # so did compute_metrics
     # Keras's loss tracker is weighted by the batch's sample count: 50 in all.
     assert float(model._loss_tracker.count.numpy()) == 50.0
     assert timer.records[0]["samples"] == 50.0
+
+
+def test_a_healthy_step_reads_each_gradient_once():
+    """Finiteness and grad_norm come from one fused sum of squares per
+    gradient; a second pass (a separate norm, or a re-check inside the skip
+    decision) would cost every step and change no value."""
+    keras.mixed_precision.set_global_policy("float32")
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(3, activation="relu")(inputs)
+    model = mp.MixedPrecisionModel(inputs, keras.layers.Dense(2)(hidden))
+    model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
+    graph = tf.function(model.train_step).get_concrete_function(
+        (tf.TensorSpec((8, 4), tf.float32), tf.TensorSpec((8,), tf.int64))
+    ).graph
+    op_types = [op.type for op in graph.get_operations()]  # the step, outside its branches
+    assert op_types.count("L2Loss") == len(model.trainable_variables) == 4
+    assert op_types.count("Square") == 0  # no separate norm
 
 
 def test_a_model_without_trainable_weights_skips_nothing(caplog):
