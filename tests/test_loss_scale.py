@@ -175,6 +175,22 @@ def test_unscale_handles_indexed_slices():
     np.testing.assert_array_equal(unscaled.values.numpy(), [[1.0, 2.0]])
 
 
+def test_check_gradients_norm_and_flags_over_dense_sparse_float16_and_missing_gradients():
+    """The norm of sparse gradients is over their values, as in TensorFlow's
+    global_norm (a repeated row counts twice, never scattered to dense), and
+    float16 gradients are squared in float32: 300**2 overflows float16."""
+    loss_scale = DynamicLossScale()
+    repeated_row = tf.IndexedSlices(tf.constant([[1.0, 2.0], [1.0, 2.0]]), tf.constant([1, 1]),
+                                    tf.constant([3, 2]))
+    grads = [tf.constant([3.0, 4.0]), repeated_row, tf.constant([300.0], tf.float16), None]
+    checked = loss_scale.check_gradients(grads)
+    assert checked.flags.numpy().tolist() == [0, 0, 0, 0]
+    assert float(checked.global_norm) == pytest.approx(np.sqrt(9 + 16 + 10 + 90000), rel=1e-6)
+    poisoned = tf.IndexedSlices(tf.constant([[1.0, np.inf]]), tf.constant([2]), tf.constant([3, 2]))
+    checked = loss_scale.check_gradients([grads[0], poisoned, grads[2], None])
+    assert checked.flags.numpy().tolist() == [0, 1, 0, 0]
+
+
 def test_nonfinite_loss_and_floor_overflows_count_as_divergence():
     loss_scale = DynamicLossScale(initial_scale=2.0, min_scale=1.0, growth_interval=100)
     variable = tf.Variable([0.0, 0.0])
