@@ -337,6 +337,9 @@ def test_scaled_then_unscaled_gradients_match_float32_gradients(units, batch, ex
         # apply_gradients skips and backs off from.
         assert exponent > 8
         return
+    # float16 rounding is relative to the terms a gradient sums, not to the
+    # sum: a small bias gradient that is a difference of large terms can be
+    # 5 % off alone. So the tolerance is 2 % of the model's largest gradient.
+    scale = max(float(np.abs(want.numpy()).max()) for want in expected) + 1e-3
     for got, want in zip(half_grads, expected):
-        scale = float(np.abs(want.numpy()).max()) + 1e-3
         np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=2e-2 * scale)
