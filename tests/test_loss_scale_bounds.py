@@ -95,6 +95,41 @@ def test_a_fixed_scale_that_overflows_every_step_is_refused_unless_asked_for_in_
     assert all(not np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
 
 
+_FLOOR = "a finite number >= 2**-24 (5.96e-08)"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"initial_scale": 0.0}, f"`initial_scale` must be {_FLOOR}; received initial_scale=0.0."),
+    ({"min_scale": 1e-9}, f"`min_scale` must be {_FLOOR}; received min_scale=1e-09."),
+    ({"max_scale": 1e-9}, f"`max_scale` must be {_FLOOR}; received max_scale=1e-09."),
+    ({"growth_interval": 0},
+     "`growth_interval` must be an integer >= 1 that fits in int64; received growth_interval=0."),
+    ({"hysteresis": 0}, "`hysteresis` must be an integer >= 1 that fits in int64; received hysteresis=0."),
+    ({"growth_factor": 1.0}, "`growth_factor` must be a finite number > 1; received growth_factor=1.0."),
+    ({"backoff_factor": 1.0},
+     "`backoff_factor` must be a number in the open interval (0, 1); received backoff_factor=1.0."),
+])
+def test_refusals_name_the_class_the_argument_the_rule_and_the_value(kwargs, message):
+    with pytest.raises((ValueError, TypeError)) as caught:
+        DynamicLossScale(**kwargs)
+    assert str(caught.value) == f"DynamicLossScale: {message}"
+
+
+def test_a_bad_model_loss_scale_is_reported_as_the_models():
+    from mp_callbacks.loss_scale import loss_scale_from_argument
+
+    with pytest.raises(ValueError) as caught:
+        loss_scale_from_argument("dynamic")
+    assert str(caught.value).startswith("MixedPrecisionModel: `loss_scale` must be 'auto', ")
+
+
+def test_restored_counters_may_be_zero_large_or_float32():
+    loss_scale = DynamicLossScale()
+    loss_scale.set_state({"skipped_steps": 0.0, "step_count": 200.0, "good_steps": np.float32(7.0)})
+    state = loss_scale.diagnostics()
+    assert (state["skipped_steps"], state["step_count"], state["good_steps"]) == (0, 200, 7)
+
+
 def test_largest_int64_interval_trains():
     loss_scale = DynamicLossScale(growth_interval=2**63 - 1, hysteresis=2**63 - 1)
     assert _step(loss_scale) and loss_scale.diagnostics()["good_steps"] == 1
