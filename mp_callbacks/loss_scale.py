@@ -60,6 +60,13 @@ SCALE_REQUIREMENT = "a finite number >= 2**-24 (5.96e-08)"
 FIXED_SCALE_REQUIREMENT = "a number from 2**-24 (5.96e-08) to 2**64 (1.84e+19) when it is a fixed scale"
 
 
+def check_scale(owner: str, argument: str, value: Any) -> float:
+    """A loss scale (initial, min or max) as a float; raises naming
+    `argument` below MIN_LOSS_SCALE or beyond float32."""
+    return check_real(owner, argument, value, low=MIN_LOSS_SCALE, float32=True,
+                      requirement=SCALE_REQUIREMENT)
+
+
 def check_fixed_scale(owner: str, argument: str, value: Any) -> float:
     """A fixed loss scale given as a plain number, as a float; raises
     naming `argument` outside [MIN_LOSS_SCALE, MAX_FIXED_LOSS_SCALE]."""
@@ -220,8 +227,7 @@ class DynamicLossScale(tf.Module):
         name: str = "dynamic_loss_scale",
     ) -> None:
         initial_scale, min_scale, max_scale = (
-            check_real(_OWNER, argument, value, low=MIN_LOSS_SCALE, float32=True,
-                       requirement=SCALE_REQUIREMENT)
+            check_scale(_OWNER, argument, value)
             for argument, value in (
                 ("initial_scale", initial_scale),
                 ("min_scale", min_scale),
@@ -790,10 +796,10 @@ def loss_scale_from_argument(value: Any, owner: str = "MixedPrecisionModel") -> 
     """Turns a `loss_scale` argument into a DynamicLossScale.
 
     Accepts "auto" (returns None: the model decides at compile), None (no
-    scaling), a DynamicLossScale, its config dict, or a positive number (a
-    fixed scale); anything else raises naming `loss_scale` and `owner`."""
+    scaling), a DynamicLossScale, its config dict, or a number in
+    [2**-24, 2**64] (a fixed scale); anything else raises naming `loss_scale` and `owner`."""
     requirement = (
-        "'auto', a DynamicLossScale, a positive number (fixed scale) or None "
+        "'auto', a DynamicLossScale, a number in [2**-24, 2**64] (fixed scale) or None "
         "(no scaling)"
     )
     if isinstance(value, str):

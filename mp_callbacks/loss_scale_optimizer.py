@@ -81,8 +81,9 @@ class LossScaleOptimizer(keras.optimizers.Optimizer):
         growth_interval, growth_factor, backoff_factor, min_scale,
         max_scale, hysteresis: keywords, as for `DynamicLossScale`.
         loss_scale: instead of the arguments above, a ready
-            `DynamicLossScale`, its config dict, or a positive number
-            (a fixed scale).
+            `DynamicLossScale`, its config dict, or a number in
+            [2**-24, 2**64] (a fixed scale, as is `initial_scale` with
+            `dynamic=False`).
         name: optimizer name.
 
     Attributes (as in tf.keras): `inner_optimizer`, `dynamic`,
@@ -453,7 +454,7 @@ class LossScaleOptimizer(keras.optimizers.Optimizer):
 def _loss_scale_from_argument(value: Any) -> DynamicLossScale:
     if isinstance(value, str) or (isinstance(value, dict) and not value):
         fail(_OWNER, "loss_scale", value,
-             "a DynamicLossScale, its config dict, or a positive number (fixed scale)",
+             "a DynamicLossScale, its config dict, or a number in [2**-24, 2**64] (fixed scale)",
              ValueError if isinstance(value, (str, dict)) else TypeError)
     if isinstance(value, dict):
         return DynamicLossScale.from_config(value)

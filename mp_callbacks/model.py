@@ -175,8 +175,8 @@ class MixedPrecisionModel(keras.Model):
         loss_scale: `"auto"` (default): dynamic loss scaling when the model
             computes in float16 (`mixed_float16`), none otherwise (bfloat16
             has float32's range). A `DynamicLossScale` for full control; a
-            number in [2**-24, 2**64] for a fixed scale; None for no scaling. Non-finite
-            steps are skipped in every case.
+            number in [2**-24, 2**64] for a fixed scale; None for no
+            scaling. Non-finite steps are skipped in every case.
         *args, **kwargs: as for `keras.Model`.
 
     `compile` never scales twice: a `keras.mixed_precision.LossScaleOptimizer`

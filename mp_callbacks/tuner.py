@@ -23,9 +23,9 @@ import contextlib
 from typing import Any, Callable, Iterator, Sequence
 
 from mp_callbacks._backend import keras
-from mp_callbacks._validation import check_real, fail
+from mp_callbacks._validation import fail
 from mp_callbacks.hardware import POLICIES
-from mp_callbacks.loss_scale import MIN_LOSS_SCALE, SCALE_REQUIREMENT, DynamicLossScale
+from mp_callbacks.loss_scale import DynamicLossScale, check_scale
 from mp_callbacks.model import MixedPrecisionModel
 
 try:
@@ -100,9 +100,8 @@ class MixedPrecisionHyperModel(kt.HyperModel):
             for value in values:  # refused now, not in the middle of a search
                 if argument in ("initial_scale", "min_scale", "max_scale"):
                     # Their bounds depend on each other: checked alone here.
-                    check_real("MixedPrecisionHyperModel", f"loss_scale_space[{argument!r}]",
-                               value, low=MIN_LOSS_SCALE, float32=True,
-                               requirement=SCALE_REQUIREMENT)
+                    check_scale("MixedPrecisionHyperModel", f"loss_scale_space[{argument!r}]",
+                                value)
                 else:
                     DynamicLossScale(**{argument: value})
         self.hypermodel = hypermodel

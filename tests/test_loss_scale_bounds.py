@@ -355,7 +355,7 @@ def test_state_variables_are_untrainable_single_copies_with_stable_names():
 def test_loss_scale_argument_errors_say_exactly_what_is_accepted():
     from mp_callbacks.loss_scale import loss_scale_from_argument
 
-    general = ("'auto', a DynamicLossScale, a positive number (fixed scale) or None "
+    general = ("'auto', a DynamicLossScale, a number in [2**-24, 2**64] (fixed scale) or None "
                "(no scaling)")
     cases = [
         ("dynamic", ValueError, f"Owner: `loss_scale` must be {general}; received loss_scale='dynamic'."),
