@@ -34,6 +34,7 @@ from typing import Any, Iterable, NamedTuple, Sequence
 import numpy as np
 
 from mp_callbacks._backend import keras, tf
+from mp_callbacks._gated_update import gated_apply
 from mp_callbacks._validation import FLOAT32_MAX, check_int, check_real, fail
 
 __all__ = ["CheckedGradients", "DynamicLossScale", "STATE_VARIABLES"]
@@ -516,11 +517,25 @@ class DynamicLossScale(tf.Module):
             not tf.distribute.has_strategy()
             or tf.__internal__.distribute.strategy_supports_no_merge_call()
         ):
-            tf.cond(
-                grads_finite,
-                lambda: self._apply(optimizer, grads, variables),
-                lambda: self._restore(restore_variables, restore_values),
+            # Without a strategy the update is gated write by write, which
+            # healthy steps do not pay for; otherwise (or for an optimizer
+            # whose writes cannot be gated) the whole update sits in a cond.
+            gated = not tf.distribute.has_strategy() and gated_apply(
+                optimizer, lambda: self._apply(optimizer, grads, variables), grads_finite
             )
+            if not gated:
+                tf.cond(
+                    grads_finite,
+                    lambda: self._apply(optimizer, grads, variables),
+                    lambda: self._restore(restore_variables, restore_values),
+                )
+            elif restore_variables:
+                # Off the update's path: nothing waits for this cond.
+                tf.cond(
+                    grads_finite,
+                    lambda: None,
+                    lambda: self._restore(restore_variables, restore_values),
+                )
             if update:
                 self._update_state(self._full_flags(variables, flags))
             else:

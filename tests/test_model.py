@@ -513,6 +513,60 @@ def test_a_healthy_step_reads_each_gradient_once():
     assert op_types.count("Square") == 0  # no separate norm
 
 
+def _step_graph(model, y_spec=tf.TensorSpec((8,), tf.int64)):
+    return tf.function(model.train_step).get_concrete_function(
+        (tf.TensorSpec((8, 4), tf.float32), y_spec)
+    ).graph
+
+
+def _writes_in_branches(graph) -> int:
+    """Variable writes inside the step's cond branches (its function library)."""
+    library = graph.as_graph_def().library.function
+    return sum(node.op.startswith(("Assign", "ResourceApply", "ResourceScatter"))
+               for function in library if function.signature.name.startswith("cond")
+               for node in function.node_def)
+
+
+def test_a_healthy_step_updates_outside_any_cond():
+    """The optimizer's writes are gated one by one (a scalar Select each),
+    not wrapped in a tf.cond, which would cost every step several percent on
+    few CPU threads. Only the skip path's restores live in a branch."""
+    keras.mixed_precision.set_global_policy("float32")
+    inputs = keras.Input((4,))
+    model = mp.MixedPrecisionModel(inputs, keras.layers.Dense(2)(keras.layers.Dense(3)(inputs)))
+    model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "sparse_categorical_crossentropy")
+    graph = _step_graph(model)
+    op_types = [op.type for op in graph.get_operations()]
+    # A kernel, a bias and a momentum per layer, and the iteration counter.
+    assert op_types.count("Select") == 2 * len(model.trainable_variables) + 1
+    # The kept batch (x, y, its step number) is restored on skip, nothing else.
+    assert _writes_in_branches(graph) == 3
+
+
+def test_an_update_that_cannot_be_gated_is_skipped_by_a_cond_exactly():
+    # Keras applies a kernel constraint with a plain assign, which cannot be
+    # gated: the whole update then sits in a tf.cond, and still skips exactly.
+    keras.mixed_precision.set_global_policy("float32")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    model = mp.MixedPrecisionModel(
+        inputs, keras.layers.Dense(2, kernel_constraint=keras.constraints.NonNeg())(inputs),
+        loss_scale=mp.DynamicLossScale(initial_scale=2.0**10, growth_interval=1000))
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    assert _writes_in_branches(_step_graph(model, tf.TensorSpec((8, 2), tf.float32))) > 3
+    x = np.ones((8, 4), "float32")
+    before = [w.copy() for w in model.get_weights()]
+    bad = np.full((8, 2), np.inf, "float32")
+    history = model.fit(x, bad, batch_size=8, verbose=0).history
+    assert history["skipped_steps"] == [1.0]
+    for after, old in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(after, old)
+    assert int(model.optimizer.iterations.numpy()) == 0
+    model.fit(x, np.zeros((8, 2), "float32"), batch_size=8, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 1
+    assert np.all(model.get_weights()[0] >= 0)
+
+
 def test_a_model_without_trainable_weights_skips_nothing(caplog):
     keras.mixed_precision.set_global_policy("float32")
     inputs = keras.Input((3,))

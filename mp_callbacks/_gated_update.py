@@ -1,0 +1,215 @@
+"""An optimizer step that takes effect only where a predicate holds, without a `tf.cond`.
+
+Skipping a step by putting `optimizer.apply` inside `tf.cond(all_finite, ...)`,
+as Keras's own `LossScaleOptimizer` does, costs every healthy step several
+percent on CPUs with few threads: the whole update then waits behind the
+cond's switches (`benchmarks/skip_mechanics.py` measures it). Here the update
+runs unconditionally instead, and every write the optimizer makes picks
+between the new and the old value with a scalar `Select`, which forwards one
+of its inputs without copying; the assign then adopts that buffer. Healthy
+steps cost what stock Keras's do, and a skipped step leaves every variable
+bit for bit as it was.
+
+This only holds if every write goes through the routes gated here: the
+optimizer's `assign`, `assign_add` and `assign_sub` (which Keras's built-in
+optimizers use for all their updates), Keras's weight decay, and the
+iteration counter. The update is therefore traced into a nested function
+first and its graph inspected; an optimizer that changes state any other way
+(a custom `update_step` that writes a variable directly, constraints, EMA,
+gradient accumulation, a random op) is reported as not gatable, nothing is
+added to the step, and the caller falls back to the `tf.cond`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+from mp_callbacks._backend import keras, tf
+
+__all__ = ["gated_apply"]
+
+# Stateful ops that only read state: they may appear anywhere in the update.
+_READ_ONLY_STATEFUL_OPS = frozenset({
+    "ReadVariableOp",
+    "VarHandleOp",
+    "VarIsInitializedOp",
+    "VariableShape",
+    "ResourceGather",
+    "ResourceGatherNd",
+})
+
+
+def _tf_variable(variable: Any) -> Any:
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def _gated_slices(predicate: tf.Tensor, value: tf.IndexedSlices) -> tf.IndexedSlices:
+    # A sparse update (an Embedding's gradient) touches only its rows: gating
+    # its values to zeros is as cheap as the update itself. Skipped, the rows
+    # get `+ 0` or `- 0`, which leaves every value, -0.0 included, as it was
+    # (x - 0 is x, and -0.0 + 0.0 would be +0.0: so subtract zero, add -0).
+    values = value.values
+    return tf.IndexedSlices(
+        tf.where(predicate, values, tf.zeros_like(values)), value.indices, value.dense_shape
+    )
+
+
+class _NotGatable(Exception):
+    """Raised while tracing an update that has a write this module cannot gate."""
+
+
+class _GatedWrites:
+    """Stand-ins for an optimizer's write methods, gated on `predicate`."""
+
+    def __init__(self, optimizer: Any, predicate: tf.Tensor, record: Callable) -> None:
+        self.optimizer = optimizer
+        self.predicate = predicate
+        self.record = record
+        self.cls = type(optimizer)
+
+    def _pick(self, new: tf.Tensor, old: tf.Tensor) -> tf.Tensor:
+        # The v1 `Select` with a scalar condition forwards `new` or `old`
+        # itself; `tf.where` (SelectV2) would copy every element.
+        return tf.raw_ops.Select(condition=self.predicate, x=new, y=old)
+
+    def _write(self, variable: Any, combine: Callable[[tf.Tensor], tf.Tensor]) -> None:
+        target = _tf_variable(variable)
+        old = target.value()
+        target.assign(self._pick(combine(old), old), read_value=False)
+
+    def assign(self, variable: Any, value: Any) -> None:
+        with self.record():
+            if isinstance(value, tf.IndexedSlices):
+                # A sparse overwrite has no neutral value to gate with.
+                raise _NotGatable
+            self._write(variable, lambda old: tf.cast(value, old.dtype))
+
+    def assign_add(self, variable: Any, value: Any) -> None:
+        with self.record():
+            if isinstance(value, tf.IndexedSlices):
+                # x + (-0.0) is x for every x, including -0.0.
+                values = value.values
+                self.cls.assign_add(self.optimizer, variable, tf.IndexedSlices(
+                    tf.where(self.predicate, values, tf.fill(tf.shape(values), tf.constant(-0.0, values.dtype))),
+                    value.indices, value.dense_shape))
+                return
+            self._write(variable, lambda old: old + tf.cast(value, old.dtype))
+
+    def assign_sub(self, variable: Any, value: Any) -> None:
+        with self.record():
+            if isinstance(value, tf.IndexedSlices):
+                self.cls.assign_sub(self.optimizer, variable, _gated_slices(self.predicate, value))
+                return
+            self._write(variable, lambda old: old - tf.cast(value, old.dtype))
+
+    def apply_weight_decay(self, variables: list[Any]) -> None:
+        # Keras's TensorFlow `_apply_weight_decay`, gated: the same
+        # `variable - variable * wd * lr`, bit for bit.
+        optimizer = self.optimizer
+        if optimizer.weight_decay is None:
+            return
+        with self.record():
+            for variable in variables:
+                if optimizer._use_weight_decay(variable):
+                    target = _tf_variable(variable)
+                    lr = tf.cast(optimizer.learning_rate, target.dtype)
+                    wd = tf.cast(optimizer.weight_decay, target.dtype)
+                    self._write(variable, lambda old: old - old * wd * lr)
+
+
+@contextlib.contextmanager
+def _routed(optimizer: Any, writes: _GatedWrites) -> Iterator[None]:
+    """Sets the gated writes as instance attributes for the duration."""
+    names = ["assign", "assign_add", "assign_sub"]
+    replacements = {name: getattr(writes, name) for name in names}
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    if type(optimizer)._apply_weight_decay is TFOptimizer._apply_weight_decay:
+        replacements["_apply_weight_decay"] = writes.apply_weight_decay
+    for name, method in replacements.items():
+        object.__setattr__(optimizer, name, method)
+    try:
+        yield
+    finally:
+        for name in replacements:
+            object.__delattr__(optimizer, name)
+
+
+# Keras increments the iteration counter with these, outside the routes above.
+_COUNTER_WRITES = frozenset({"AssignAddVariableOp", "AssignVariableOp"})
+
+
+# Data-dependent control flow in an update (Keras's sparse arithmetic uses it)
+# may take paths a skipped step's state was never meant to reach, and one of
+# Keras's fails there: such updates keep the tf.cond.
+_CONTROL_FLOW_OPS = frozenset({
+    "If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
+})
+
+
+def _writes_only_through(graph: Any, ours: set[str], counter_handle: str) -> bool:
+    """True if every stateful op in `graph` is ours, only reads, or writes
+    the iteration counter (whose value is put back afterwards), and the
+    update has no control flow of its own."""
+    for op in graph.get_operations():
+        if op.type in _CONTROL_FLOW_OPS:
+            return False
+        if op.name in ours or not op.op_def.is_stateful:
+            continue
+        if op.type in _READ_ONLY_STATEFUL_OPS:
+            continue
+        if op.type in _COUNTER_WRITES and op.inputs[0].name == counter_handle:
+            continue
+        return False
+    return True
+
+
+def gated_apply(optimizer: Any, apply: Callable[[], None], predicate: tf.Tensor) -> bool:
+    """Adds `apply()` (an update by `optimizer`) to the current graph so that
+    it changes state only where the scalar `predicate` is True.
+
+    Returns False, having added nothing, if the update writes state in a way
+    that cannot be gated; the caller must then skip by other means. Call it
+    while tracing a `tf.function`, outside any `tf.distribute` strategy.
+    """
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        return False
+    ours: set[str] = set()
+    counter_handle: dict[str, str] = {}
+
+    def update() -> None:
+        graph = tf.compat.v1.get_default_graph()
+
+        @contextlib.contextmanager
+        def record() -> Iterator[None]:
+            start = len(graph.get_operations())
+            yield
+            ours.update(op.name for op in graph.get_operations()[start:])
+
+        iterations = _tf_variable(optimizer.iterations)
+        with record():
+            iterations_before = tf.identity(iterations.value())
+        counter_handle.setdefault("name", iterations_before.op.inputs[0].op.inputs[0].name)
+        with _routed(optimizer, _GatedWrites(optimizer, predicate, record)):
+            apply()
+        # Keras counts the iteration with a plain assign_add: put it back.
+        # Scalar, so the copy is free; and correct even if no increment ran.
+        with record():
+            iterations.assign(
+                tf.raw_ops.Select(condition=predicate, x=iterations.value(), y=iterations_before),
+                read_value=False,
+            )
+
+    # Traced once into a throwaway function to inspect it, then again into
+    # the step itself: calling the traced function instead would leave a
+    # function call in the step, which TensorFlow does not inline here and
+    # which costs healthy steps what the cond did.
+    try:
+        probe = tf.function(update, autograph=False).get_concrete_function()
+    except _NotGatable:
+        return False
+    if not _writes_only_through(probe.graph, ours, counter_handle["name"]):
+        return False
+    update()
+    return True
