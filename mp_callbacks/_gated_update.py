@@ -170,11 +170,12 @@ def gated_apply(optimizer: Any, apply: Callable[[], None], predicate: tf.Tensor)
     it changes state only where the scalar `predicate` is True.
 
     Returns False, having added nothing, if the update writes state in a way
-    that cannot be gated; the caller must then skip by other means. Call it
-    while tracing a `tf.function`, outside any `tf.distribute` strategy.
+    that cannot be gated, or when executing eagerly; the caller must then
+    skip by other means. Call it while tracing a `tf.function`, outside any
+    `tf.distribute` strategy.
     """
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        return False
+    if tf.executing_eagerly() or not isinstance(optimizer, keras.optimizers.Optimizer):
+        return False  # eagerly, a tf.cond costs nothing: it is a Python if
     ours: set[str] = set()
     counter_handle: dict[str, str] = {}
 

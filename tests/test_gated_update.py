@@ -115,7 +115,8 @@ def test_skipping_keeps_negative_zero_weights_bit_for_bit():
     # x - 0.0 keeps -0.0, x + 0.0 would not: the gate must pick the old value.
     model = _model(sparse=True)
     embedding = model.trainable_variables[0]
-    embedding.assign(tf.fill(embedding.shape, -0.0))
+    embedding.assign(np.full(embedding.shape, -0.0, "float32"))
+    assert np.all(np.signbit(embedding.numpy()))
     optimizer = keras.optimizers.SGD(0.1, momentum=0.5)
     optimizer.build(model.trainable_variables)
     x, y = _batch(sparse=True)
@@ -178,5 +179,13 @@ def test_updates_that_cannot_be_gated_are_refused_and_add_nothing(case):
     assert result == {"gated": False, "added": []}
 
 
-def test_a_non_keras_optimizer_is_refused():
-    assert gated_apply(object(), lambda: None, tf.constant(True)) is False
+def test_a_non_keras_optimizer_and_eager_execution_are_refused():
+    answers = []
+
+    @tf.function
+    def traced():
+        answers.append(gated_apply(object(), lambda: None, tf.constant(True)))
+
+    traced.get_concrete_function()
+    assert answers == [False]
+    assert gated_apply(keras.optimizers.SGD(), lambda: None, tf.constant(True)) is False

@@ -1,0 +1,112 @@
+"""What does a healthy training step cost, step by step?
+
+Epoch ratios (`real_models.py`) move by several points between runs on
+these machines. This script interleaves single steps instead: each
+contender's `train_step` (in a `tf.function`, as `fit` runs it) takes one
+step in turn, the order rotating every step, on the same few batches, for
+`--steps` rounds. Slow drifts of the machine then hit every contender
+alike, and the median of a thousand steps moves by about a point between
+runs. Prints each contender's median step time and its ratios to stock
+Keras: of the medians, of the lower quartiles and of the fastest steps.
+
+Contenders: stock `keras.Model`, `MixedPrecisionModel.from_model` on a copy
+of the same layers, and (`--peer`) stock `keras.Model` with Keras's own
+`LossScaleOptimizer`, which skips non-finite steps with a `tf.cond`.
+
+    python benchmarks/step_overhead.py --threads 2 --steps 1000 --peer
+    python benchmarks/step_overhead.py --model resnet50 --threads 2 --steps 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import mp_callbacks as mp  # noqa: E402
+from _timing import add_threads_option, apply_threads  # noqa: E402
+from real_models import data_for, resnet50, transformer  # noqa: E402
+
+BATCHES = 8
+
+
+def contenders(build, peer: bool) -> dict[str, keras.Model]:
+    models = {}
+    keras.utils.set_random_seed(0)
+    models["stock"] = build()
+    keras.utils.set_random_seed(0)
+    models["MixedPrecisionModel"] = mp.MixedPrecisionModel.from_model(build())
+    for model in models.values():
+        model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy")
+    if peer:
+        keras.utils.set_random_seed(0)
+        models["keras LossScaleOptimizer"] = build()
+        models["keras LossScaleOptimizer"].compile(
+            keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)),
+            "sparse_categorical_crossentropy", auto_scale_loss=False)
+    return models
+
+
+def interleaved_steps(models, batches, steps: int) -> dict[str, list[float]]:
+    steps_of = {}
+    for name, model in models.items():
+        # One short fit builds the optimizer and metrics as fit would.
+        x, y = batches[0]
+        model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)
+        steps_of[name] = tf.function(model.train_step)
+        for batch in batches[:3]:  # tracing and warm-up
+            steps_of[name](batch)
+    names = list(models)
+    times = {name: [] for name in names}
+    for i in range(steps):
+        batch = batches[i % len(batches)]
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            steps_of[name](batch)
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["resnet50", "transformer"], default="transformer")
+    parser.add_argument("--policy", default="float32", choices=mp.POLICIES)
+    parser.add_argument("--steps", type=int, default=1000, help="interleaved rounds of one step each")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--peer", action="store_true",
+                        help="also time stock keras.Model with keras.optimizers.LossScaleOptimizer")
+    add_threads_option(parser)
+    args = parser.parse_args(argv)
+    apply_threads(args.threads)
+    keras.mixed_precision.set_global_policy(args.policy)
+    build = resnet50 if args.model == "resnet50" else transformer
+    data = data_for(args.model, BATCHES * args.batch_size)
+    batches = [
+        (tf.constant(data.x_train[i * args.batch_size:(i + 1) * args.batch_size]),
+         tf.constant(data.y_train[i * args.batch_size:(i + 1) * args.batch_size]))
+        for i in range(BATCHES)
+    ]
+    models = contenders(build, args.peer)
+    print(f"{args.model}: policy {args.policy}, {args.steps} interleaved steps of "
+          f"{args.batch_size}, threads {args.threads or 'default'}; "
+          f"TensorFlow {tf.__version__}, Keras {keras.__version__}")
+    times = interleaved_steps(models, batches, args.steps)
+    stock = sorted(times["stock"])
+    for name, values in times.items():
+        values = sorted(values)
+        quartile = len(values) // 4
+        print(f"  {name:26s} median {statistics.median(values) * 1e3:8.2f} ms   ratio to stock: "
+              f"median {statistics.median(values) / statistics.median(stock):.3f}   "
+              f"lower quartile {values[quartile] / stock[quartile]:.3f}   "
+              f"fastest {values[0] / stock[0]:.3f}")
+
+
+if __name__ == "__main__":
+    main()
