@@ -479,6 +479,12 @@ class DynamicLossScale(tf.Module):
         Under a `tf.distribute` strategy call it inside `strategy.run`: the
         finiteness of every replica's gradients is all-reduced, so all
         replicas take the same decision and keep the same scale.
+
+        Inside a `tf.function` without a strategy, the update is not put in
+        a `tf.cond`: each write the optimizer makes keeps the old value when
+        the step is skipped, which healthy steps do not pay for. An update
+        that writes state in ways that cannot be gated (see
+        `mp_callbacks._gated_update`) is put in a `tf.cond` instead.
         """
         grads = list(grads)
         variables = list(variables)
