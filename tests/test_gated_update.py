@@ -133,6 +133,54 @@ def test_skipping_keeps_negative_zero_weights_bit_for_bit():
     assert np.all(np.signbit(embedding.numpy()))
 
 
+class AddingSGD(keras.optimizers.SGD):
+    """SGD written with `assign_add` of a negative step, sparse or dense, as
+    a user's optimizer may be: exercises the gate on sparse additions."""
+
+    def update_step(self, gradient, variable, learning_rate):
+        lr = tf.cast(learning_rate, variable.dtype)
+        if isinstance(gradient, tf.IndexedSlices):
+            self.assign_add(variable, tf.IndexedSlices(
+                -gradient.values * lr, gradient.indices, gradient.dense_shape))
+        else:
+            self.assign_add(variable, -gradient * lr)
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_additions_are_gated_bit_for_bit(sparse):
+    make = lambda: AddingSGD(0.1)  # noqa: E731
+    _, stock, _ = _run(make, sparse=sparse, how="stock")
+    _, applied, gated = _run(make, sparse=sparse, how="gated-apply")
+    assert gated
+    assert applied == stock
+    before, skipped, _ = _run(make, sparse=sparse, how="gated-skip")
+    assert skipped == before
+
+
+@pytest.mark.parametrize("make", [lambda: AddingSGD(0.1), lambda: keras.optimizers.SGD(0.1)],
+                         ids=["assign_add", "assign_sub"])
+def test_skipped_sparse_updates_keep_negative_zero(make):
+    # A skipped row gets + (-0.0) or - (+0.0): anything else turns -0.0 into +0.0.
+    model = _model(sparse=True)
+    embedding = model.trainable_variables[0]
+    embedding.assign(np.full(embedding.shape, -0.0, "float32"))
+    optimizer = make()
+    optimizer.build(model.trainable_variables)
+    x, y = _batch(sparse=True)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        assert isinstance(grads[0], tf.IndexedSlices)
+        return gated_apply(optimizer, lambda: optimizer.apply(grads, model.trainable_variables),
+                           tf.constant(False))
+
+    assert step()
+    assert np.all(np.signbit(embedding.numpy()))
+
+
 class DirectWriteSGD(keras.optimizers.SGD):
     """Writes the variable itself instead of through `self.assign_sub`."""
 

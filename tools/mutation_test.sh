@@ -5,7 +5,7 @@
 # never touched) and prints the kill rate and the surviving mutants.
 #
 #   tools/mutation_test.sh loss_scale            # about 7 minutes on 2 cores
-#   tools/mutation_test.sh loss_scale_monitor    # likewise nan_gradient_monitor, epoch_timer, model
+#   tools/mutation_test.sh loss_scale_monitor    # likewise nan_gradient_monitor, epoch_timer, model, _gated_update
 #   KEEP=1 tools/mutation_test.sh loss_scale "*from_argument*"   # some mutants; keep the copy
 #                                                # (then: cd <copy> && mutmut show NAME)
 #
@@ -13,7 +13,7 @@
 # message text and logging not mutated); this script picks the module and
 # its tests. "No tests" mutants count as survivors.
 set -euo pipefail
-module="${1:?usage: tools/mutation_test.sh loss_scale|loss_scale_monitor|nan_gradient_monitor|epoch_timer|model [MUTANT_GLOB]}"
+module="${1:?usage: tools/mutation_test.sh loss_scale|loss_scale_monitor|nan_gradient_monitor|epoch_timer|model|_gated_update [MUTANT_GLOB]}"
 glob="${2:-}"
 case "$module" in
   loss_scale) tests="tests/test_loss_scale.py tests/test_loss_scale_bounds.py tests/test_contracts.py" ;;
@@ -21,6 +21,7 @@ case "$module" in
   nan_gradient_monitor) tests="tests/test_callback_arguments.py tests/test_nan_gradient_monitor.py tests/test_callback_reuse.py tests/test_diagnosis.py" ;;
   epoch_timer) tests="tests/test_callback_arguments.py tests/test_epoch_timer.py tests/test_callback_reuse.py tests/test_callbacks_integration.py" ;;
   model) tests="tests/test_model.py tests/test_model_state.py tests/test_contracts.py tests/test_diagnosis.py" ;;
+  _gated_update) tests="tests/test_gated_update.py" ;;
   *) echo "tools/mutation_test.sh: error: unknown module '$module'" >&2; exit 2 ;;
 esac
 repo="$(cd "$(dirname "$0")/.." && pwd)"
