@@ -153,6 +153,9 @@ class CheckedGradients(NamedTuple):
 
     flags: tf.Tensor  #: int64 [n]: 1 where a gradient holds inf or NaN
     global_norm: tf.Tensor  #: float32: global L2 norm (meaningful when all flags are 0)
+    #: bool: True when every gradient is finite (all flags 0). Given
+    #: directly so that the skip decision does not wait on the flags.
+    all_finite: tf.Tensor | None = None
 
 
 def _nonfinite_flag(value: Any) -> tf.Tensor:
@@ -425,15 +428,24 @@ class DynamicLossScale(tf.Module):
         """
         grads = list(grads)
         if not grads:
-            return CheckedGradients(tf.zeros([0], tf.int64), tf.constant(0.0, tf.float32))
-        sums = tf.stack([_half_sum_of_squares(g) for g in grads])
-        all_finite = tf.reduce_all(tf.math.is_finite(sums))
-        flags = tf.cond(
-            all_finite,
-            lambda: tf.zeros([len(grads)], tf.int64),
-            lambda: tf.stack([_nonfinite_flag(g) for g in grads]),
+            return CheckedGradients(
+                tf.zeros([0], tf.int64), tf.constant(0.0, tf.float32), tf.constant(True)
+            )
+        # The sums are non-negative: their total is finite only if each is.
+        total = tf.add_n([_half_sum_of_squares(g) for g in grads])
+
+        def exact_check():
+            flags = tf.stack([_nonfinite_flag(g) for g in grads])
+            return flags, tf.equal(tf.reduce_max(flags), 0)
+
+        # Every update of the step waits on this decision: the healthy
+        # branch hands it over without going through the flags.
+        flags, all_finite = tf.cond(
+            tf.math.is_finite(total),
+            lambda: (tf.zeros([len(grads)], tf.int64), tf.constant(True)),
+            exact_check,
         )
-        return CheckedGradients(flags, tf.sqrt(2.0 * tf.reduce_sum(sums)))
+        return CheckedGradients(flags, tf.sqrt(2.0 * total), all_finite)
 
     @_no_autograph
     def apply_gradients(
@@ -515,7 +527,10 @@ class DynamicLossScale(tf.Module):
             flags = replica_context.all_reduce(
                 tf.distribute.ReduceOp.SUM, flags
             )
-        grads_finite = tf.equal(tf.reduce_sum(flags[:-1]), 0)
+        if replica_context.num_replicas_in_sync == 1 and checked.all_finite is not None:
+            grads_finite = checked.all_finite
+        else:
+            grads_finite = tf.equal(tf.reduce_sum(flags[:-1]), 0)
 
         restore_variables = [variable for variable, _ in restore_on_skip]
         restore_values = [value for _, value in restore_on_skip]
@@ -543,7 +558,7 @@ class DynamicLossScale(tf.Module):
                     lambda: self._restore(restore_variables, restore_values),
                 )
             if update:
-                self._update_state(self._full_flags(variables, flags))
+                self._update_state(self._full_flags(variables, flags), grads_finite)
             else:
                 self._pending.append((variables, flags))
         else:
@@ -645,11 +660,14 @@ class DynamicLossScale(tf.Module):
             variable.assign(value)
 
     @_no_autograph
-    def _update_state(self, flags: tf.Tensor) -> None:
-        """Advances the state machine; `flags` are already all-reduced."""
+    def _update_state(self, flags: tf.Tensor, grads_finite: tf.Tensor | None = None) -> None:
+        """Advances the state machine; `flags` are already all-reduced.
+        `grads_finite`, when given, is the decision the step took (all of
+        `flags[:-1]` zero), passed in so as not to be derived again."""
         state = self._state
         per_variable = tf.minimum(flags[:-1], 1)
-        grads_finite = tf.equal(tf.reduce_sum(per_variable), 0)
+        if grads_finite is None:
+            grads_finite = tf.equal(tf.reduce_sum(per_variable), 0)
         loss_finite = tf.equal(flags[-1], 0)
         scale = state["scale"].read_value()
         # A scale that is not a positive finite number (written into the
