@@ -67,6 +67,7 @@ class _GatedWrites:
         self.predicate = predicate
         self.record = record
         self.cls = type(optimizer)
+        self._neutrals: dict[tuple, tf.Tensor] = {}
 
     def _pick(self, new: tf.Tensor, old: tf.Tensor) -> tf.Tensor:
         # The v1 `Select` with a scalar condition forwards `new` or `old`
@@ -77,6 +78,23 @@ class _GatedWrites:
         target = _tf_variable(variable)
         old = target.value()
         target.assign(self._pick(combine(old), old), read_value=False)
+
+    def _neutral(self, like: tf.Tensor, negative: bool) -> tf.Tensor:
+        # A zero of the increment's shape, shared by every write of that
+        # shape: with a static shape it is a constant (Grappler folds the
+        # Fill), so healthy steps pay one Select per write and nothing more.
+        zero = tf.constant(-0.0 if negative else 0.0, like.dtype) if like.dtype.is_floating \
+            else tf.constant(0, like.dtype)
+        if not like.shape.is_fully_defined():
+            return tf.fill(tf.shape(like), zero)
+        key = (tuple(like.shape), like.dtype, negative)
+        if key not in self._neutrals:
+            self._neutrals[key] = tf.fill(like.shape, zero)
+        return self._neutrals[key]
+
+    def _increment(self, variable: Any, value: Any, negative: bool) -> tf.Tensor:
+        value = tf.cast(value, _tf_variable(variable).dtype)
+        return self._pick(value, self._neutral(value, negative))
 
     def assign(self, variable: Any, value: Any) -> None:
         with self.record():
@@ -94,14 +112,15 @@ class _GatedWrites:
                     tf.where(self.predicate, values, tf.fill(tf.shape(values), tf.constant(-0.0, values.dtype))),
                     value.indices, value.dense_shape))
                 return
-            self._write(variable, lambda old: old + tf.cast(value, old.dtype))
+            # In place like Keras's own assign_add; skipped, it adds -0.0.
+            self.cls.assign_add(self.optimizer, variable, self._increment(variable, value, True))
 
     def assign_sub(self, variable: Any, value: Any) -> None:
         with self.record():
             if isinstance(value, tf.IndexedSlices):
                 self.cls.assign_sub(self.optimizer, variable, _gated_slices(self.predicate, value))
                 return
-            self._write(variable, lambda old: old - tf.cast(value, old.dtype))
+            self.cls.assign_sub(self.optimizer, variable, self._increment(variable, value, False))
 
     def apply_weight_decay(self, variables: list[Any]) -> None:
         # Keras's TensorFlow `_apply_weight_decay`, gated: the same
