@@ -107,6 +107,12 @@ def _saving_lib_walk() -> bool:
     return _has(saving_lib, "_walk_saveable", "_load_state", "_save_state")
 
 
+def _tf_weight_decay() -> bool:
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    return hasattr(TFOptimizer, "_apply_weight_decay")
+
+
 def _object_registration() -> bool:
     from keras.src.saving import object_registration
 
@@ -135,6 +141,8 @@ INTERNALS = (
              "diagnosis.py computing_in_float32", lambda: hasattr(keras.layers.Dense(1), "_dtype_policy")),
     Internal("KerasTensor._keras_history, Layer._inbound_nodes[].input_tensors",
              "model_checks.py (walking the layer graph)", _layer_graph),
+    Internal("keras.src.backend.tensorflow.optimizer.TFOptimizer._apply_weight_decay",
+             "_gated_update.py (gating Keras's weight decay)", _tf_weight_decay),
 )
 
 
