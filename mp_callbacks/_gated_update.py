@@ -4,11 +4,14 @@ Skipping a step by putting `optimizer.apply` inside `tf.cond(all_finite, ...)`,
 as Keras's own `LossScaleOptimizer` does, costs every healthy step several
 percent on CPUs with few threads: the whole update then waits behind the
 cond's switches (`benchmarks/skip_mechanics.py` measures it). Here the update
-runs unconditionally instead, and every write the optimizer makes picks
-between the new and the old value with a scalar `Select`, which forwards one
-of its inputs without copying; the assign then adopts that buffer. Healthy
-steps cost what stock Keras's do, and a skipped step leaves every variable
-bit for bit as it was.
+runs unconditionally instead, gated write by write with a scalar `Select`,
+which forwards one of its inputs without copying: an increment
+(`assign_add`, `assign_sub`) picks between itself and a zero and is applied
+in place, as Keras applies it (adding -0.0 and subtracting +0.0 leave every
+value, -0.0 included, as it was); an overwrite picks between the new and the
+old value, and the assign adopts that buffer. Healthy steps do stock Keras's
+memory traffic plus one `Select` per write, and a skipped step leaves every
+variable bit for bit as it was.
 
 This only holds if every write goes through the routes gated here: the
 optimizer's `assign`, `assign_add` and `assign_sub` (which Keras's built-in
