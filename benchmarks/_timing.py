@@ -13,6 +13,16 @@ def add_threads_option(parser) -> None:
                         help="TensorFlow intra- and inter-op threads (0: TensorFlow's default)")
 
 
+def add_real_model_options(parser, policies, models) -> None:
+    """The options real_models.py and step_overhead.py share."""
+    parser.add_argument("--model", choices=models, default=models[-1])
+    parser.add_argument("--policy", default="float32", choices=policies)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--peer", action="store_true",
+                        help="also time stock keras.Model with keras.optimizers.LossScaleOptimizer")
+    add_threads_option(parser)
+
+
 def apply_threads(threads: int) -> None:
     """Must run before TensorFlow executes its first op."""
     if threads:

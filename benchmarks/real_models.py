@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import mp_callbacks as mp  # noqa: E402
-from _timing import add_threads_option, apply_threads, compare, report  # noqa: E402
+from _timing import add_real_model_options, apply_threads, compare, report  # noqa: E402
 
 VOCABULARY, SEQUENCE = 1000, 64
 
@@ -64,14 +64,9 @@ def data_for(name: str, samples: int):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["resnet50", "transformer", "both"], default="both")
-    parser.add_argument("--policy", default="float32", choices=mp.POLICIES)
+    add_real_model_options(parser, mp.POLICIES, ["resnet50", "transformer", "both"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20, help="steps per epoch")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--peer", action="store_true",
-                        help="also time stock keras.Model with keras.optimizers.LossScaleOptimizer")
-    add_threads_option(parser)
     args = parser.parse_args(argv)
     apply_threads(args.threads)
     keras.mixed_precision.set_global_policy(args.policy)

@@ -7,7 +7,8 @@ step in turn, the order rotating every step, on the same few batches, for
 `--steps` rounds. Slow drifts of the machine then hit every contender
 alike, and the median of a thousand steps moves by about a point between
 runs. Prints each contender's median step time and its ratios to stock
-Keras: of the medians, of the lower quartiles and of the fastest steps.
+Keras: the median of each round's own ratio ("paired"), and the ratios of
+the medians, of the lower quartiles and of the fastest steps.
 
 Contenders: stock `keras.Model`, `MixedPrecisionModel.from_model` on a copy
 of the same layers, and (`--peer`) stock `keras.Model` with Keras's own
@@ -30,7 +31,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import mp_callbacks as mp  # noqa: E402
-from _timing import add_threads_option, apply_threads  # noqa: E402
+from _timing import add_real_model_options, apply_threads  # noqa: E402
 from real_models import data_for, resnet50, transformer  # noqa: E402
 
 BATCHES = 8
@@ -76,13 +77,8 @@ def interleaved_steps(models, batches, steps: int) -> dict[str, list[float]]:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["resnet50", "transformer"], default="transformer")
-    parser.add_argument("--policy", default="float32", choices=mp.POLICIES)
+    add_real_model_options(parser, mp.POLICIES, ["resnet50", "transformer"])
     parser.add_argument("--steps", type=int, default=1000, help="interleaved rounds of one step each")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--peer", action="store_true",
-                        help="also time stock keras.Model with keras.optimizers.LossScaleOptimizer")
-    add_threads_option(parser)
     args = parser.parse_args(argv)
     apply_threads(args.threads)
     keras.mixed_precision.set_global_policy(args.policy)
@@ -100,9 +96,13 @@ def main(argv=None):
     times = interleaved_steps(models, batches, args.steps)
     stock = sorted(times["stock"])
     for name, values in times.items():
+        # Each round's own ratio, then their median: a drift of the machine
+        # within the run cancels out round by round.
+        paired = statistics.median(a / b for a, b in zip(values, times["stock"]))
         values = sorted(values)
         quartile = len(values) // 4
         print(f"  {name:26s} median {statistics.median(values) * 1e3:8.2f} ms   ratio to stock: "
+              f"paired {paired:.3f}   "
               f"median {statistics.median(values) / statistics.median(stock):.3f}   "
               f"lower quartile {values[quartile] / stock[quartile]:.3f}   "
               f"fastest {values[0] / stock[0]:.3f}")
