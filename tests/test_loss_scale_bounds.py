@@ -239,13 +239,23 @@ def test_one_pass_check_is_exact_for_huge_finite_and_non_finite_gradients():
     checked = loss_scale.check_gradients(grads)
     # 1e20 squared overflows float32, yet that gradient is finite.
     assert checked.flags.numpy().tolist() == [0, 0, 0, 1, 0]
+    assert not bool(checked.all_finite)
+    huge = loss_scale.check_gradients([tf.constant([1e20, 1.0]), tf.constant([3.0])])
+    assert huge.flags.numpy().tolist() == [0, 0] and bool(huge.all_finite)
     healthy = loss_scale.check_gradients([tf.constant([3.0, 4.0]), tf.constant([12.0], tf.float16)])
-    assert healthy.flags.numpy().tolist() == [0, 0]
+    assert healthy.flags.numpy().tolist() == [0, 0] and bool(healthy.all_finite)
     assert float(healthy.global_norm) == pytest.approx(13.0)
     variable = tf.Variable([1.0, 1.0])
     optimizer = keras.optimizers.SGD(1e-20)
     assert bool(loss_scale.apply_gradients(optimizer, [tf.constant([1e20, 0.0])], [variable]))
     np.testing.assert_allclose(variable.numpy(), [0.0, 1.0])
+    # Traced, the update is gated on the check's decision: the same holds.
+    step = tf.function(lambda grad: loss_scale.apply_gradients(optimizer, [grad], [variable]))
+    assert bool(step(tf.constant([1e20, 0.0])))
+    np.testing.assert_allclose(variable.numpy(), [-1.0, 1.0])
+    assert not bool(step(tf.constant([1e20, np.inf])))
+    np.testing.assert_allclose(variable.numpy(), [-1.0, 1.0])
+    assert loss_scale.diagnostics()["skipped_steps"] == 1
 
 
 def test_reset_divergence_latches_and_repr():
