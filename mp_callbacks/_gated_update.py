@@ -15,8 +15,8 @@ variable bit for bit as it was.
 
 This only holds if every write goes through the routes gated here: the
 optimizer's `assign`, `assign_add` and `assign_sub` (which Keras's built-in
-optimizers use for all their updates), Keras's weight decay, and the
-iteration counter. The update is therefore traced into a nested function
+optimizers use for all their updates, and which must be Keras's own),
+Keras's weight decay, and the iteration counter. The update is therefore traced into a nested function
 first and its graph inspected; an optimizer that changes state any other way
 (a custom `update_step` that writes a variable directly, constraints, EMA,
 gradient accumulation, a random op) is reported as not gatable, nothing is
@@ -187,6 +187,18 @@ def _writes_only_through(graph: Any, ours: set[str], counter_handle: str) -> boo
     return True
 
 
+def _writes_are_kerass_own(cls: type) -> bool:
+    """An optimizer that overrides `assign`, `assign_add` or `assign_sub`
+    may write something else than the value it is given (a gated zero
+    included): only Keras's own write methods are known to be neutral."""
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    return all(
+        getattr(cls, name) is getattr(TFOptimizer, name)
+        for name in ("assign", "assign_add", "assign_sub")
+    )
+
+
 def gated_apply(optimizer: Any, apply: Callable[[], None], predicate: tf.Tensor) -> bool:
     """Adds `apply()` (an update by `optimizer`) to the current graph so that
     it changes state only where the scalar `predicate` is True.
@@ -198,6 +210,8 @@ def gated_apply(optimizer: Any, apply: Callable[[], None], predicate: tf.Tensor)
     """
     if tf.executing_eagerly() or not isinstance(optimizer, keras.optimizers.Optimizer):
         return False  # eagerly, a tf.cond costs nothing: it is a Python if
+    if not _writes_are_kerass_own(type(optimizer)):
+        return False
     ours: set[str] = set()
     counter_handle: dict[str, str] = {}
 

@@ -110,7 +110,7 @@ def _saving_lib_walk() -> bool:
 def _tf_weight_decay() -> bool:
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
-    return hasattr(TFOptimizer, "_apply_weight_decay")
+    return _has(TFOptimizer, "_apply_weight_decay", "assign", "assign_add", "assign_sub")
 
 
 def _object_registration() -> bool:
@@ -141,8 +141,8 @@ INTERNALS = (
              "diagnosis.py computing_in_float32", lambda: hasattr(keras.layers.Dense(1), "_dtype_policy")),
     Internal("KerasTensor._keras_history, Layer._inbound_nodes[].input_tensors",
              "model_checks.py (walking the layer graph)", _layer_graph),
-    Internal("keras.src.backend.tensorflow.optimizer.TFOptimizer._apply_weight_decay",
-             "_gated_update.py (gating Keras's weight decay)", _tf_weight_decay),
+    Internal("keras.src.backend.tensorflow.optimizer.TFOptimizer (_apply_weight_decay, assign*)",
+             "_gated_update.py (gating Keras's weight decay and writes)", _tf_weight_decay),
 )
 
 

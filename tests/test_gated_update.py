@@ -171,6 +171,14 @@ class DirectWriteSGD(keras.optimizers.SGD):
         variable.assign(variable - gradient * learning_rate)
 
 
+class OffsetAddSGD(AddingSGD):
+    """Overrides `assign_add` with a write that is not neutral at zero: the
+    gate cannot know that adding a gated zero still changes the variable."""
+
+    def assign_add(self, variable, value):
+        super().assign_add(variable, value + 1e-3)
+
+
 def _graph_size_after(make_optimizer, constraint=None, sparse=False):
     model = _model(sparse)
     if constraint is not None:
@@ -197,10 +205,11 @@ def _graph_size_after(make_optimizer, constraint=None, sparse=False):
     return result
 
 
-@pytest.mark.parametrize("case", ["direct write", "constraint", "ema", "sparse divide"])
+@pytest.mark.parametrize("case", ["direct write", "overridden write", "constraint", "ema", "sparse divide"])
 def test_updates_that_cannot_be_gated_are_refused_and_add_nothing(case):
     make, constraint, sparse = {
         "direct write": (lambda: DirectWriteSGD(0.1), None, False),
+        "overridden write": (lambda: OffsetAddSGD(0.1), None, False),
         "constraint": (lambda: keras.optimizers.SGD(0.1), keras.constraints.NonNeg(), False),
         "ema": (lambda: keras.optimizers.Adam(use_ema=True), None, False),
         # Keras's sparse division has data-dependent control flow.
