@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from mp_callbacks import _gated_update
 from mp_callbacks._gated_update import gated_apply
 
 OPTIMIZERS = {
@@ -31,6 +32,15 @@ OPTIMIZERS = {
     "Adafactor": keras.optimizers.Adafactor,
     "clipnorm": lambda: keras.optimizers.Adam(global_clipnorm=1.0),
 }
+
+
+@pytest.fixture(params=["in place", "select old"])
+def increments(request, monkeypatch):
+    """Both ways a dense increment is gated: in place against a zero (small
+    variables), or picking the new or the old value (large ones)."""
+    if request.param == "select old":
+        monkeypatch.setattr(_gated_update, "_IN_PLACE_MAX_ELEMENTS", 0)
+    return request.param
 
 
 def _model(sparse: bool) -> keras.Model:
@@ -88,7 +98,7 @@ def _run(make_optimizer, sparse: bool, how: str, steps: int = 2):
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_every_builtin_optimizer_is_gated_bit_for_bit(name):
+def test_every_builtin_optimizer_is_gated_bit_for_bit(name, increments):
     make = OPTIMIZERS[name]
     _, stock, _ = _run(make, sparse=False, how="stock")
     _, applied, gated = _run(make, sparse=False, how="gated-apply")
@@ -126,7 +136,7 @@ class AddingSGD(keras.optimizers.SGD):
 
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
-def test_additions_are_gated_bit_for_bit(sparse):
+def test_additions_are_gated_bit_for_bit(sparse, increments):
     make = lambda: AddingSGD(0.1)  # noqa: E731
     _, stock, _ = _run(make, sparse=sparse, how="stock")
     _, applied, gated = _run(make, sparse=sparse, how="gated-apply")
@@ -140,7 +150,7 @@ def test_additions_are_gated_bit_for_bit(sparse):
 @pytest.mark.parametrize("make", [lambda: AddingSGD(0.1), lambda: keras.optimizers.SGD(0.1),
                                   lambda: keras.optimizers.SGD(0.1, momentum=0.5)],
                          ids=["assign_add", "assign_sub", "momentum"])
-def test_skipped_updates_keep_negative_zero(make, sparse):
+def test_skipped_updates_keep_negative_zero(make, sparse, increments):
     # A skipped increment is + (-0.0) or - (+0.0), a skipped overwrite picks
     # the old value: anything else turns -0.0 into +0.0.
     model = _model(sparse=sparse)
@@ -229,3 +239,38 @@ def test_a_non_keras_optimizer_and_eager_execution_are_refused():
     traced.get_concrete_function()
     assert answers == [False]
     assert gated_apply(keras.optimizers.SGD(), lambda: None, tf.constant(True)) is False
+
+
+def _write_ops(predicate_spec=tf.TensorSpec([], tf.bool)) -> dict[str, int]:
+    model = _model(sparse=False)
+    optimizer = keras.optimizers.SGD(0.1)
+    optimizer.build(model.trainable_variables)
+    x, y = _batch(sparse=False)
+    writes = {}
+
+    @tf.function
+    def step(predicate):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        graph = tf.compat.v1.get_default_graph()
+        before = len(graph.get_operations())
+        assert gated_apply(optimizer, lambda: optimizer.apply(grads, model.trainable_variables), predicate)
+        ops = [op.type for op in graph.get_operations()[before:]]
+        writes.update(subtract=ops.count("AssignSubVariableOp"), assign=ops.count("AssignVariableOp"),
+                      variables=len(model.trainable_variables))
+
+    step.get_concrete_function(predicate_spec)
+    return writes
+
+
+def test_small_increments_are_applied_in_place_and_large_ones_replace_the_value(monkeypatch):
+    # In place saves two ops per write where a zero is cheap; a large
+    # variable keeps the read-select-assign form (see _IN_PLACE_MAX_ELEMENTS).
+    in_place = _write_ops()
+    monkeypatch.setattr(_gated_update, "_IN_PLACE_MAX_ELEMENTS", 0)
+    replaced = _write_ops()
+    count = in_place["variables"]
+    assert in_place["subtract"] == count
+    assert replaced["subtract"] == 0
+    assert replaced["assign"] == in_place["assign"] + count
