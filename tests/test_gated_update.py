@@ -135,6 +135,29 @@ class AddingSGD(keras.optimizers.SGD):
             self.assign_add(variable, -gradient * lr)
 
 
+class CountingSGD(keras.optimizers.SGD):
+    """Counts its updates per variable in an integer slot, as a user's
+    optimizer may: an integer increment has an integer zero."""
+
+    def build(self, variables):
+        super().build(variables)
+        self.counts = [self.add_variable((), dtype="int64", name="count") for _ in variables]
+
+    def update_step(self, gradient, variable, learning_rate):
+        super().update_step(gradient, variable, learning_rate)
+        self.assign_add(self.counts[self._get_variable_index(variable)], 3)
+
+
+def test_integer_increments_are_gated_exactly(increments):
+    _, stock, _ = _run(lambda: CountingSGD(0.1), sparse=False, how="stock")
+    _, applied, gated = _run(lambda: CountingSGD(0.1), sparse=False, how="gated-apply")
+    assert gated
+    assert applied == stock
+    before, skipped, _ = _run(lambda: CountingSGD(0.1), sparse=False, how="gated-skip")
+    assert skipped == before
+    assert stock != before
+
+
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_additions_are_gated_bit_for_bit(sparse, increments):
     make = lambda: AddingSGD(0.1)  # noqa: E731
