@@ -97,6 +97,18 @@ def _run(make_optimizer, sparse: bool, how: str, steps: int = 2):
     return before, _state(model, optimizer), all(gated)
 
 
+def _assert_gated_exactly(make_optimizer, sparse: bool):
+    """Gated and applied equals `optimizer.apply` bit for bit; gated and
+    skipped leaves every variable as it was. Returns (before, stock)."""
+    _, stock, _ = _run(make_optimizer, sparse=sparse, how="stock")
+    _, applied, gated = _run(make_optimizer, sparse=sparse, how="gated-apply")
+    assert gated
+    assert applied == stock
+    before, skipped, _ = _run(make_optimizer, sparse=sparse, how="gated-skip")
+    assert skipped == before
+    return before, stock
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_every_builtin_optimizer_is_gated_bit_for_bit(name, increments):
     make = OPTIMIZERS[name]
@@ -114,12 +126,7 @@ def test_every_builtin_optimizer_is_gated_bit_for_bit(name, increments):
 @pytest.mark.parametrize("name", ["SGD", "SGD-nesterov", "Adam", "AdamW", "Nadam", "Lion"])
 def test_sparse_embedding_updates_are_gated_bit_for_bit(name):
     make = OPTIMIZERS[name]
-    _, stock, _ = _run(make, sparse=True, how="stock")
-    _, applied, gated = _run(make, sparse=True, how="gated-apply")
-    assert gated
-    assert applied == stock
-    before, skipped, _ = _run(make, sparse=True, how="gated-skip")
-    assert skipped == before
+    _assert_gated_exactly(make, sparse=True)
 
 
 class AddingSGD(keras.optimizers.SGD):
@@ -149,24 +156,14 @@ class CountingSGD(keras.optimizers.SGD):
 
 
 def test_integer_increments_are_gated_exactly(increments):
-    _, stock, _ = _run(lambda: CountingSGD(0.1), sparse=False, how="stock")
-    _, applied, gated = _run(lambda: CountingSGD(0.1), sparse=False, how="gated-apply")
-    assert gated
-    assert applied == stock
-    before, skipped, _ = _run(lambda: CountingSGD(0.1), sparse=False, how="gated-skip")
-    assert skipped == before
+    before, stock = _assert_gated_exactly(lambda: CountingSGD(0.1), sparse=False)
     assert stock != before
 
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_additions_are_gated_bit_for_bit(sparse, increments):
     make = lambda: AddingSGD(0.1)  # noqa: E731
-    _, stock, _ = _run(make, sparse=sparse, how="stock")
-    _, applied, gated = _run(make, sparse=sparse, how="gated-apply")
-    assert gated
-    assert applied == stock
-    before, skipped, _ = _run(make, sparse=sparse, how="gated-skip")
-    assert skipped == before
+    _assert_gated_exactly(make, sparse=sparse)
 
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
