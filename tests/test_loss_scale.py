@@ -220,6 +220,19 @@ def test_per_variable_counts_name_the_nonfinite_variable():
     counts = loss_scale.nonfinite_gradient_counts()
     assert list(counts.values()) == [0, 3]
     assert list(counts)[1].startswith("bad")
+    # The loss flag is the last one, not a variable's: no loss was given.
+    assert loss_scale.diagnostics()["nonfinite_loss_steps"] == 0
+
+
+def test_a_variable_counts_once_per_step_however_many_replicas_overflowed():
+    """Under tf.distribute the flags arrive summed over the replicas: two
+    replicas with a non-finite gradient for one variable still make one
+    non-finite step for it."""
+    loss_scale = DynamicLossScale()
+    loss_scale.build([tf.Variable([0.0], name="first"), tf.Variable([0.0], name="second")])
+    loss_scale._update_state(tf.constant([2, 0, 0], tf.int64))
+    assert list(loss_scale.nonfinite_gradient_counts().values()) == [1, 0]
+    assert loss_scale.diagnostics()["skipped_steps"] == 1
 
 
 def test_works_inside_tf_function():

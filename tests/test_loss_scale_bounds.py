@@ -195,9 +195,10 @@ def test_set_state_refuses_negative_counters():
         loss_scale.set_state({"skipped_steps": np.int64(-1)})
 
 
-def test_a_nan_scale_written_at_run_time_recovers():
+@pytest.mark.parametrize("written", [np.nan, np.inf, 0.0, -4.0])
+def test_a_scale_that_is_not_positive_and_finite_written_at_run_time_recovers(written):
     loss_scale = DynamicLossScale(initial_scale=256.0, growth_interval=1000)
-    loss_scale._state["scale"].assign(np.nan)
+    loss_scale._state["scale"].assign(written)
     applied = [_step(loss_scale) for _ in range(4)]
     assert applied == [True] * 4
     assert loss_scale.get_scale() == 256.0

@@ -31,6 +31,28 @@ if [ -n "${KEEP:-}" ]; then echo "scratch copy: $work"; else trap 'rm -rf "$work
 (cd "$repo" && git ls-files -z | tar --null -cf - -T -) | tar -xf - -C "$work"
 cp "$repo"/tests/*.py "$work/tests/"  # the tests as they are now, committed or not
 cd "$work"
+# mutmut leaves decorated functions alone, and the hot path (the state
+# machine's update, apply_gradients, the gradient check) is decorated with
+# `@_no_autograph`. In the copy the decorator is applied at the end of the
+# module instead, so that mutmut mutates these methods too.
+python - "mp_callbacks/$module.py" <<'PY'
+import re, sys
+path = sys.argv[1]
+out, wrapped, cls, decorated = [], [], None, False
+for line in open(path).read().split("\n"):
+    match = re.match(r"class (\w+)", line)
+    cls = match.group(1) if match else cls
+    if line.strip() == "@_no_autograph":
+        decorated = True
+        continue
+    if decorated:
+        name = re.match(r"\s*def (\w+)\(", line).group(1)
+        wrapped.append(f"{cls}.{name}")
+        decorated = False
+    out.append(line)
+out += [f"{name} = _no_autograph({name})" for name in wrapped]
+open(path, "w").write("\n".join(out) + "\n")
+PY
 python - "$module" $tests <<'PY'
 import re, sys
 module, tests = sys.argv[1], sys.argv[2:]
