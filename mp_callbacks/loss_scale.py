@@ -663,12 +663,18 @@ class DynamicLossScale(tf.Module):
     def _update_state(self, flags: tf.Tensor, grads_finite: tf.Tensor | None = None) -> None:
         """Advances the state machine; `flags` are already all-reduced.
         `grads_finite`, when given, is the decision the step took (all of
-        `flags[:-1]` zero), passed in so as not to be derived again."""
+        `flags[:-1]` zero), passed in so as not to be derived again.
+
+        Each variable's next value is worked out for both outcomes from the
+        state and the loss alone, and the decision only picks one (a scalar
+        `Select` per write): the step's last gradient is checked late, and
+        whatever waits on the decision lengthens every step.
+        """
         state = self._state
         per_variable = tf.minimum(flags[:-1], 1)
         if grads_finite is None:
             grads_finite = tf.equal(tf.reduce_sum(per_variable), 0)
-        loss_finite = tf.equal(flags[-1], 0)
+        loss_diverged = tf.not_equal(flags[-1], 0)
         scale = state["scale"].read_value()
         # A scale that is not a positive finite number (written into the
         # variable by hand) could never recover: start again from initial.
@@ -677,50 +683,53 @@ class DynamicLossScale(tf.Module):
             scale,
             tf.constant(self.initial_scale, tf.float32),
         )
-        at_floor = scale <= self.min_scale
+        zero = tf.constant(0, tf.int64)
 
+        # Finite gradients: one more good step; after growth_interval of
+        # them the scale grows and the hysteresis is restored.
         good = state["good_steps"] + 1
-        grow = tf.logical_and(grads_finite, good >= self.growth_interval)
-        hysteresis_left = tf.maximum(state["hysteresis_left"] - 1, 0)
-        back_off = tf.logical_and(
-            tf.logical_not(grads_finite), hysteresis_left <= 0
-        )
-        new_scale = tf.where(
-            grow,
-            tf.minimum(scale * self.growth_factor, self.max_scale),
-            tf.where(
-                back_off,
-                tf.maximum(scale * self.backoff_factor, self.min_scale),
-                scale,
+        grow = good >= self.growth_interval
+        hysteresis_left = state["hysteresis_left"].read_value()
+        if_finite = {
+            "scale": tf.where(grow, tf.minimum(scale * self.growth_factor, self.max_scale), scale),
+            "good_steps": tf.where(grow, zero, good),
+            "hysteresis_left": tf.where(
+                grow, tf.constant(self.hysteresis, tf.int64), hysteresis_left
             ),
-        )
-        state["scale"].assign(new_scale)
-        state["lowest_scale"].assign(tf.minimum(state["lowest_scale"], new_scale))
-        state["good_steps"].assign(
-            tf.where(grads_finite & tf.logical_not(grow), good, 0)
-        )
-        state["hysteresis_left"].assign(
-            tf.where(
-                grow,
-                tf.constant(self.hysteresis, tf.int64),
-                tf.where(grads_finite, state["hysteresis_left"], hysteresis_left),
-            )
-        )
+            "skipped": zero,
+            "divergent": loss_diverged,
+        }
+        # An overflow: the streak ends, the hysteresis is spent, and once it
+        # is gone the scale backs off. At the floor, an overflow is divergence.
+        spent = tf.maximum(hysteresis_left - 1, 0)
+        if_overflow = {
+            "scale": tf.where(
+                spent <= 0, tf.maximum(scale * self.backoff_factor, self.min_scale), scale
+            ),
+            "good_steps": zero,
+            "hysteresis_left": spent,
+            "skipped": tf.constant(1, tf.int64),
+            "divergent": tf.logical_or(loss_diverged, scale <= self.min_scale),
+        }
+        lowest = state["lowest_scale"].read_value()
+        run = state["divergent_run"].read_value()
+        max_run = state["max_divergent_run"].read_value()
+        for outcome in (if_finite, if_overflow):
+            outcome["lowest_scale"] = tf.minimum(lowest, outcome["scale"])
+            outcome["divergent_run"] = tf.where(outcome["divergent"], run + 1, 0)
+            outcome["max_divergent_run"] = tf.maximum(max_run, outcome["divergent_run"])
+            outcome["divergent"] = tf.cast(outcome["divergent"], tf.int64)
 
-        skipped = tf.cast(tf.logical_not(grads_finite), tf.int64)
-        divergent = tf.logical_or(
-            tf.logical_not(loss_finite),
-            tf.logical_and(tf.logical_not(grads_finite), at_floor),
-        )
-        run = tf.where(divergent, state["divergent_run"] + 1, 0)
+        def taken(name: str) -> tf.Tensor:
+            return tf.where(grads_finite, if_finite[name], if_overflow[name])
+
+        for name in ("scale", "lowest_scale", "good_steps", "hysteresis_left",
+                     "divergent_run", "max_divergent_run"):
+            state[name].assign(taken(name))
         state["step_count"].assign_add(1)
-        state["skipped_steps"].assign_add(skipped)
-        state["nonfinite_loss_steps"].assign_add(
-            tf.cast(tf.logical_not(loss_finite), tf.int64)
-        )
-        state["divergent_steps"].assign_add(tf.cast(divergent, tf.int64))
-        state["divergent_run"].assign(run)
-        state["max_divergent_run"].assign(tf.maximum(state["max_divergent_run"], run))
+        state["skipped_steps"].assign_add(taken("skipped"))
+        state["nonfinite_loss_steps"].assign_add(tf.cast(loss_diverged, tf.int64))
+        state["divergent_steps"].assign_add(taken("divergent"))
         self._nonfinite_counts.assign_add(per_variable)
 
     # ------------------------------------------------------ host-side reads
