@@ -173,6 +173,24 @@ def test_unscale_handles_indexed_slices():
     (unscaled,) = loss_scale.unscale([grad])
     assert isinstance(unscaled, tf.IndexedSlices)
     np.testing.assert_array_equal(unscaled.values.numpy(), [[1.0, 2.0]])
+    assert unscaled.indices.numpy().tolist() == [1]
+    assert unscaled.dense_shape.numpy().tolist() == [3, 2]
+
+
+def test_unscale_with_plain_tf_variables_divides_every_gradient():
+    """Only variables that say `overwrite_with_gradient` keep their gradient
+    as it is; a plain tf.Variable has no such attribute."""
+    loss_scale = DynamicLossScale(initial_scale=4.0)
+    variables = [tf.Variable([0.0]), tf.Variable([0.0, 0.0])]
+    unscaled = loss_scale.unscale([tf.constant([4.0]), tf.constant([8.0, -4.0])], variables)
+    assert [g.numpy().tolist() for g in unscaled] == [[1.0], [2.0, -1.0]]
+
+
+def test_check_gradients_of_no_gradients_is_healthy_and_empty():
+    checked = DynamicLossScale().check_gradients([])
+    assert checked.flags.dtype == tf.int64 and checked.flags.shape == (0,)
+    assert checked.global_norm.dtype == tf.float32 and float(checked.global_norm) == 0.0
+    assert bool(checked.all_finite) is True
 
 
 def test_check_gradients_norm_and_flags_over_dense_sparse_float16_and_missing_gradients():
