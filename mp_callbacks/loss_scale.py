@@ -666,9 +666,11 @@ class DynamicLossScale(tf.Module):
         `flags[:-1]` zero), passed in so as not to be derived again.
 
         Each variable's next value is worked out for both outcomes from the
-        state and the loss alone, and the decision only picks one (a scalar
-        `Select` per write): the step's last gradient is checked late, and
-        whatever waits on the decision lengthens every step.
+        state and the loss alone, and the decision only picks one (a
+        `tf.where` per write), so that little waits on the decision, which
+        comes late in the step (after the last gradient's check). Measured
+        on a two-thread Transformer, this is no cheaper than deriving the
+        values after the decision, and no dearer.
         """
         state = self._state
         per_variable = tf.minimum(flags[:-1], 1)
