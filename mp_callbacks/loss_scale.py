@@ -350,16 +350,22 @@ class DynamicLossScale(tf.Module):
         Called by `MixedPrecisionModel` before training, and lazily by the
         first `apply_gradients`. Under a `tf.distribute` strategy call it
         once inside `strategy.scope()` before the first step. Calling it again
-        with the same variables is a no-op; with other variables it starts
-        new counters.
+        with the same variables is a no-op; with the same variables followed
+        by new ones (as `apply_gradients` does when a call brings new
+        variables) it keeps their counts and adds zeros; with other variables
+        it starts new counters.
         """
         variables = list(variables)
         ids = tuple(id(v) for v in variables)
         if self.built and (ids == self._variable_ids or set(ids) <= set(self._variable_ids)):
             return
         with tf.init_scope(), self.name_scope:
+            counts = np.zeros([len(variables)], np.int64)
+            known = len(self._variable_ids)
+            if self.built and ids[:known] == self._variable_ids:
+                counts[:known] = self._nonfinite_counts.numpy()
             self._nonfinite_counts = tf.Variable(
-                tf.zeros([len(variables)], tf.int64),
+                counts,
                 trainable=False,
                 aggregation=_ONLY_FIRST,
                 name="nonfinite_gradient_counts",

@@ -242,6 +242,77 @@ def test_per_variable_counts_name_the_nonfinite_variable():
     assert loss_scale.diagnostics()["nonfinite_loss_steps"] == 0
 
 
+def test_a_call_with_more_variables_extends_the_counts_once_per_variable():
+    # The counters are built on the first call; a later call that brings a
+    # known variable and a new one adds only the new one.
+    loss_scale = DynamicLossScale()
+    first, second = tf.Variable([0.0], name="first"), tf.Variable([0.0], name="second")
+    optimizer = keras.optimizers.SGD(0.1)
+    loss_scale.apply_gradients(optimizer, [tf.constant([math.nan])], [first])
+    loss_scale.apply_gradients(optimizer, [tf.constant([1.0]), tf.constant([math.nan])], [first, second])
+    counts = loss_scale.nonfinite_gradient_counts()
+    assert [name.split(":")[0] for name in counts] == ["first", "second"]
+    assert list(counts.values()) == [1, 1]
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager (tf.cond)", "tf.function (gated)"])
+def test_restore_on_skip_is_assigned_on_a_skipped_step_only(traced):
+    loss_scale = DynamicLossScale(initial_scale=4.0)
+    weight = tf.Variable([1.0], name="weight")
+    statistic = tf.Variable([7.0], name="statistic")  # changed by a forward pass
+    optimizer = keras.optimizers.SGD(0.5)
+    optimizer.build([weight])
+
+    def step(grad):
+        statistic.assign([9.0])
+        return loss_scale.apply_gradients(
+            optimizer, [grad], [weight], restore_on_skip=[(statistic, tf.constant([7.0]))])
+
+    step = tf.function(step) if traced else step
+    assert not bool(step(tf.constant([math.nan])))
+    assert (weight.numpy().tolist(), statistic.numpy().tolist()) == ([1.0], [7.0])
+    assert bool(step(tf.constant([1.0])))
+    assert (weight.numpy().tolist(), statistic.numpy().tolist()) == ([0.5], [9.0])
+
+
+def test_calls_with_some_of_the_variables_in_any_order_count_the_right_ones():
+    loss_scale = DynamicLossScale()
+    a, b, c = (tf.Variable([0.0], name=name) for name in "abc")
+    loss_scale.build([a, b, c])
+    optimizer = keras.optimizers.SGD(0.1)
+    nan, one = tf.constant([math.nan]), tf.constant([1.0])
+
+    def counts():
+        return list(loss_scale.nonfinite_gradient_counts().values())
+
+    # A subset, reordered, with a non-finite loss.
+    loss_scale.apply_gradients(optimizer, [nan, one], [c, a], loss=math.nan)
+    assert counts() == [0, 0, 1]
+    assert loss_scale.diagnostics()["nonfinite_loss_steps"] == 1
+    # A leading subset.
+    loss_scale.apply_gradients(optimizer, [one, nan], [a, b])
+    assert counts() == [0, 1, 1]
+    # All of them, every one out of place.
+    loss_scale.apply_gradients(optimizer, [one, one, nan], [b, c, a])
+    assert counts() == [1, 1, 1]
+    assert loss_scale.diagnostics()["nonfinite_loss_steps"] == 1
+
+
+def test_update_counts_a_non_finite_loss_of_any_optimizer():
+    # Two optimizers, one update(): the step's loss is non-finite if either
+    # optimizer's loss was; their gradients were finite, so nothing is skipped.
+    loss_scale = DynamicLossScale()
+    a, b, c = (tf.Variable([0.0], name=name) for name in "abc")
+    loss_scale.build([a, b, c])
+    first, second = keras.optimizers.SGD(0.1), keras.optimizers.SGD(0.1)
+    one = tf.constant([1.0])
+    loss_scale.apply_gradients(first, [one, one], [a, b], loss=math.nan, update=False)
+    loss_scale.apply_gradients(second, [one], [c], loss=1.0, update=False)
+    loss_scale.update()
+    state = loss_scale.diagnostics()
+    assert (state["nonfinite_loss_steps"], state["skipped_steps"], state["step_count"]) == (1, 0, 1)
+
+
 def test_a_variable_counts_once_per_step_however_many_replicas_overflowed():
     """Under tf.distribute the flags arrive summed over the replicas: two
     replicas with a non-finite gradient for one variable still make one
