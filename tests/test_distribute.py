@@ -152,3 +152,46 @@ def test_multi_worker_mirrored_strategy_two_processes(tmp_path):
     for key in weights:
         np.testing.assert_array_equal(first[key], second[key])
         assert np.all(np.isfinite(first[key]))
+
+
+def _three_variable_step(strategy, loss_scale, optimizer, variables, update=True):
+    """A replica step whose gradients are all ones, except the last
+    variable's, which is NaN on the second replica only."""
+
+    @tf.function
+    def step():
+        def replica_step():
+            replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+            grads = [tf.ones_like(v) for v in variables]
+            grads[-1] = grads[-1] * tf.where(replica == 1, np.nan, 1.0)
+            applied = loss_scale.apply_gradients(optimizer, grads, variables, update=update)
+            if not update:
+                loss_scale.update()
+            return applied
+
+        return strategy.experimental_local_results(strategy.run(replica_step))
+
+    return step
+
+
+@pytest.mark.parametrize("update", [True, False], ids=["apply", "apply then update()"])
+def test_a_non_finite_last_gradient_on_one_replica_skips_everywhere(two_cpu_strategy, update):
+    # Only the last variable, only one replica: the all-reduced decision must
+    # see that flag (the loss flag comes after it), whether the step advances
+    # the state itself or through update().
+    strategy = two_cpu_strategy
+    with strategy.scope():
+        variables = [tf.Variable(tf.fill(shape, 2.0), name=f"v{i}")
+                     for i, shape in enumerate([(3,), (2, 2), (2,)])]
+        optimizer = keras.optimizers.SGD(0.5)
+        loss_scale = mp.DynamicLossScale(initial_scale=8.0)
+        loss_scale.build(variables)
+        optimizer.build(variables)
+    step = _three_variable_step(strategy, loss_scale, optimizer, variables, update=update)
+    assert [bool(a) for a in step()] == [False, False]
+    for variable in variables:
+        assert all(np.array_equal(r, np.full(variable.shape, 2.0)) for r in _replica_values(variable))
+    assert _replica_values(loss_scale._scale) == [4.0, 4.0]
+    assert loss_scale.diagnostics()["skipped_steps"] == 1
+    assert list(loss_scale.nonfinite_gradient_counts().values()) == [0, 0, 1]
+    assert int(optimizer.iterations.numpy()) == 0

@@ -16,7 +16,7 @@ set -euo pipefail
 module="${1:?usage: tools/mutation_test.sh loss_scale|loss_scale_monitor|nan_gradient_monitor|epoch_timer|model|_gated_update [MUTANT_GLOB]}"
 glob="${2:-}"
 case "$module" in
-  loss_scale) tests="tests/test_loss_scale.py tests/test_loss_scale_bounds.py tests/test_contracts.py" ;;
+  loss_scale) tests="tests/test_loss_scale.py tests/test_loss_scale_bounds.py tests/test_contracts.py tests/test_distribute.py" ;;
   loss_scale_monitor) tests="tests/test_callback_arguments.py tests/test_loss_scale_monitor.py tests/test_callback_reuse.py tests/test_callbacks_integration.py" ;;
   nan_gradient_monitor) tests="tests/test_callback_arguments.py tests/test_nan_gradient_monitor.py tests/test_callback_reuse.py tests/test_diagnosis.py" ;;
   epoch_timer) tests="tests/test_callback_arguments.py tests/test_epoch_timer.py tests/test_callback_reuse.py tests/test_callbacks_integration.py" ;;
