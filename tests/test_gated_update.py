@@ -201,6 +201,16 @@ class DirectWriteSGD(keras.optimizers.SGD):
         variable.assign(variable - gradient * learning_rate)
 
 
+class SparseOverwriteSGD(keras.optimizers.SGD):
+    """Overwrites the rows it updates (an `assign` of IndexedSlices), which
+    has no neutral value to gate with."""
+
+    def update_step(self, gradient, variable, learning_rate):
+        rows = tf.gather(variable, gradient.indices)
+        self.assign(variable, tf.IndexedSlices(
+            rows - gradient.values * learning_rate, gradient.indices, gradient.dense_shape))
+
+
 class OffsetAddSGD(AddingSGD):
     """Overrides `assign_add` with a write that is not neutral at zero: the
     gate cannot know that adding a gated zero still changes the variable."""
@@ -235,7 +245,8 @@ def _graph_size_after(make_optimizer, constraint=None, sparse=False):
     return result
 
 
-@pytest.mark.parametrize("case", ["direct write", "overridden write", "constraint", "ema", "sparse divide"])
+@pytest.mark.parametrize("case", ["direct write", "overridden write", "constraint", "ema", "sparse divide",
+                                  "sparse overwrite"])
 def test_updates_that_cannot_be_gated_are_refused_and_add_nothing(case):
     make, constraint, sparse = {
         "direct write": (lambda: DirectWriteSGD(0.1), None, False),
@@ -244,6 +255,7 @@ def test_updates_that_cannot_be_gated_are_refused_and_add_nothing(case):
         "ema": (lambda: keras.optimizers.Adam(use_ema=True), None, False),
         # Keras's sparse division has data-dependent control flow.
         "sparse divide": (keras.optimizers.RMSprop, None, True),
+        "sparse overwrite": (lambda: SparseOverwriteSGD(0.1), None, True),
     }[case]
     result = _graph_size_after(make, constraint, sparse)
     assert result == {"gated": False, "added": []}
