@@ -273,12 +273,11 @@ def test_a_non_keras_optimizer_and_eager_execution_are_refused():
     assert gated_apply(keras.optimizers.SGD(), lambda: None, tf.constant(True)) is False
 
 
-def _write_ops(predicate_spec=tf.TensorSpec([], tf.bool)) -> dict[str, int]:
-    model = _model(sparse=False)
-    optimizer = keras.optimizers.SGD(0.1)
+def _trace_gated_step(model, optimizer, sparse: bool, inspect) -> None:
+    """Traces one gated step of `optimizer` on `model`; inside the trace,
+    calls `inspect(ops, predicate)` with the ops `gated_apply` added."""
     optimizer.build(model.trainable_variables)
-    x, y = _batch(sparse=False)
-    writes = {}
+    x, y = _batch(sparse)
 
     @tf.function
     def step(predicate):
@@ -288,11 +287,21 @@ def _write_ops(predicate_spec=tf.TensorSpec([], tf.bool)) -> dict[str, int]:
         graph = tf.compat.v1.get_default_graph()
         before = len(graph.get_operations())
         assert gated_apply(optimizer, lambda: optimizer.apply(grads, model.trainable_variables), predicate)
-        ops = [op.type for op in graph.get_operations()[before:]]
-        writes.update(subtract=ops.count("AssignSubVariableOp"), assign=ops.count("AssignVariableOp"),
+        inspect(graph.get_operations()[before:], predicate)
+
+    step.get_concrete_function(tf.TensorSpec([], tf.bool))
+
+
+def _write_ops() -> dict[str, int]:
+    model = _model(sparse=False)
+    writes = {}
+
+    def count(ops, predicate):
+        types = [op.type for op in ops]
+        writes.update(subtract=types.count("AssignSubVariableOp"), assign=types.count("AssignVariableOp"),
                       variables=len(model.trainable_variables))
 
-    step.get_concrete_function(predicate_spec)
+    _trace_gated_step(model, keras.optimizers.SGD(0.1), False, count)
     return writes
 
 
@@ -317,18 +326,9 @@ def test_every_write_takes_the_decision_as_data(sparse, increments):
     # must depend on the predicate through its inputs.
     model = _model(sparse)
     optimizer = keras.optimizers.SGD(0.1, momentum=0.5)
-    optimizer.build(model.trainable_variables)
-    x, y = _batch(sparse)
     found = {}
 
-    @tf.function
-    def step(predicate):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((model(x) - y) ** 2)
-        grads = tape.gradient(loss, model.trainable_variables)
-        graph = tf.compat.v1.get_default_graph()
-        before = len(graph.get_operations())
-        assert gated_apply(optimizer, lambda: optimizer.apply(grads, model.trainable_variables), predicate)
+    def classify(ops, predicate):
         memo = {}
 
         def waits(op):
@@ -339,12 +339,11 @@ def test_every_write_takes_the_decision_as_data(sparse, increments):
 
         # The counter's handle as captured in this graph.
         counter = _gated_update._tf_variable(optimizer.iterations).value().op.inputs[0].name
-        writes = [op for op in graph.get_operations()[before:]
-                  if op.type.startswith(("Assign", "ResourceScatter"))]
+        writes = [op for op in ops if op.type.startswith(("Assign", "ResourceScatter"))]
         found["counter"] = [waits(op) for op in writes if op.inputs[0].name == counter]
         found["others"] = [waits(op) for op in writes if op.inputs[0].name != counter]
 
-    step.get_concrete_function(tf.TensorSpec([], tf.bool))
+    _trace_gated_step(model, optimizer, sparse, classify)
     # Each variable and its momentum.
     assert found["others"] == [True] * (2 * len(model.trainable_variables))
     # Keras's own increment of the counter, then the gated put-back.
