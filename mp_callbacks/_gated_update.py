@@ -14,6 +14,21 @@ value, and the assign adopts that buffer. Healthy steps do stock Keras's
 memory traffic plus one `Select` per write, and a skipped step leaves every
 variable bit for bit as it was.
 
+A sparse increment (SGD's update of an Embedding) is the exception when the
+caller passes `forward_done`, a scalar computed from the loss: an
+Embedding's gradient is the last one backpropagation produces, so a write
+that waited for the decision would be the tail of every step. It waits for
+`forward_done` instead, and the rows it touches are read before it and put
+back on a skip. Dense writes are not made early: measured, it bought
+nothing once the sparse tail was gone, and each would need its own gate.
+
+Why through data, and never a control edge: ordering a write after the
+forward pass's reads by control edges alone is not safe. Grappler's
+dependency optimizer drops a control edge when another path implies it,
+and a later constant folding can replace that path's `Shape` op by a
+constant, leaving the read and the write unordered; under `fit` a forward
+pass then read the value its own step had just written.
+
 This only holds if every write goes through the routes gated here: the
 optimizer's `assign`, `assign_add` and `assign_sub` (which Keras's built-in
 optimizers use for all their updates, and which must be Keras's own),
@@ -27,7 +42,7 @@ added to the step, and the caller falls back to the `tf.cond`.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from mp_callbacks._backend import keras, tf
 
@@ -55,17 +70,6 @@ def _tf_variable(variable: Any) -> Any:
     return variable.value if isinstance(variable, keras.Variable) else variable
 
 
-def _gated_slices(predicate: tf.Tensor, value: tf.IndexedSlices) -> tf.IndexedSlices:
-    # A sparse update (an Embedding's gradient) touches only its rows: gating
-    # its values to zeros is as cheap as the update itself. Skipped, the rows
-    # get `+ 0` or `- 0`, which leaves every value, -0.0 included, as it was
-    # (x - 0 is x, and -0.0 + 0.0 would be +0.0: so subtract zero, add -0).
-    values = value.values
-    return tf.IndexedSlices(
-        tf.where(predicate, values, tf.zeros_like(values)), value.indices, value.dense_shape
-    )
-
-
 def _small(variable: Any) -> bool:
     elements = _tf_variable(variable).shape.num_elements()
     return elements is not None and elements <= _IN_PLACE_MAX_ELEMENTS
@@ -78,12 +82,21 @@ class _NotGatable(Exception):
 class _GatedWrites:
     """Stand-ins for an optimizer's write methods, gated on `predicate`."""
 
-    def __init__(self, optimizer: Any, predicate: tf.Tensor, record: Callable) -> None:
+    def __init__(
+        self,
+        optimizer: Any,
+        predicate: tf.Tensor,
+        record: Callable,
+        forward_done: tf.Tensor | None = None,
+    ) -> None:
         self.optimizer = optimizer
         self.predicate = predicate
+        self.forward_done = forward_done
         self.record = record
         self.cls = type(optimizer)
         self._neutrals: dict[tuple, tf.Tensor] = {}
+        # (variable, indices, rows before the write), in the order written.
+        self.rows_to_put_back: list[tuple[Any, tf.Tensor, tf.Tensor]] = []
 
     def _pick(self, new: tf.Tensor, old: tf.Tensor) -> tf.Tensor:
         # The v1 `Select` with a scalar condition forwards `new` or `old`
@@ -119,14 +132,38 @@ class _GatedWrites:
                 raise _NotGatable
             self._write(variable, lambda old: tf.cast(value, old.dtype))
 
+    def _sparse_increment(self, variable: Any, value: tf.IndexedSlices, subtract: bool) -> None:
+        # x - (+0.0) and x + (-0.0) are x for every x, including -0.0. The
+        # zeros' shape comes from the indices, known long before the values:
+        # filling them does not hold up the write.
+        values = value.values
+        neutral = tf.fill(
+            tf.concat([tf.shape(value.indices), tf.shape(_tf_variable(variable))[1:]], axis=0),
+            tf.constant(0.0 if subtract else -0.0, values.dtype),
+        )
+        if self.forward_done is None:
+            gate = self.predicate
+        else:
+            # Not waiting for the decision: an Embedding's gradient comes
+            # last, so its update would otherwise be the step's tail. The
+            # rows it touches are read first and put back on a skip. The
+            # gate on `forward_done` keeps the write after every read of
+            # the forward pass as data, which Grappler cannot reorder (it
+            # can drop the control edge that orders them).
+            gate = self.forward_done
+            target = _tf_variable(variable)
+            self.rows_to_put_back.append((target, value.indices, target.sparse_read(value.indices)))
+        # A scalar v1 `Select` forwards one input whole; `tf.where` would copy.
+        gated = tf.IndexedSlices(
+            tf.raw_ops.Select(condition=gate, x=values, y=neutral), value.indices, value.dense_shape
+        )
+        write = self.cls.assign_sub if subtract else self.cls.assign_add
+        write(self.optimizer, variable, gated)
+
     def assign_add(self, variable: Any, value: Any) -> None:
         with self.record():
             if isinstance(value, tf.IndexedSlices):
-                # x + (-0.0) is x for every x, including -0.0.
-                values = value.values
-                self.cls.assign_add(self.optimizer, variable, tf.IndexedSlices(
-                    tf.where(self.predicate, values, tf.fill(tf.shape(values), tf.constant(-0.0, values.dtype))),
-                    value.indices, value.dense_shape))
+                self._sparse_increment(variable, value, subtract=False)
                 return
             if not _small(variable):
                 self._write(variable, lambda old: old + tf.cast(value, old.dtype))
@@ -137,7 +174,7 @@ class _GatedWrites:
     def assign_sub(self, variable: Any, value: Any) -> None:
         with self.record():
             if isinstance(value, tf.IndexedSlices):
-                self.cls.assign_sub(self.optimizer, variable, _gated_slices(self.predicate, value))
+                self._sparse_increment(variable, value, subtract=True)
                 return
             if not _small(variable):
                 self._write(variable, lambda old: old - tf.cast(value, old.dtype))
@@ -218,9 +255,21 @@ def _writes_are_kerass_own(cls: type) -> bool:
     )
 
 
-def gated_apply(optimizer: Any, apply: Callable[[], None], predicate: tf.Tensor) -> bool:
+def gated_apply(
+    optimizer: Any,
+    apply: Callable[[], None],
+    predicate: tf.Tensor,
+    forward_done: tf.Tensor | None = None,
+    restore_on_skip: Sequence[tuple[Any, Any]] = (),
+) -> bool:
     """Adds `apply()` (an update by `optimizer`) to the current graph so that
     it changes state only where the scalar `predicate` is True.
+
+    `forward_done`, a boolean scalar computed from the loss (its
+    finiteness), lets sparse increments (an Embedding's gradient) be applied
+    without waiting for `predicate`: they wait for it instead, and the rows
+    they touch are put back if `predicate` is False. `restore_on_skip`
+    pairs `(variable, value)` are assigned in the same place.
 
     Returns False, having added nothing, if the update writes state in a way
     that cannot be gated, or when executing eagerly; the caller must then
@@ -233,6 +282,7 @@ def gated_apply(optimizer: Any, apply: Callable[[], None], predicate: tf.Tensor)
         return False
     ours: set[str] = set()
     counter_handle: dict[str, str] = {}
+    rows_to_put_back: list[tuple[Any, tf.Tensor, tf.Tensor]] = []
 
     def update() -> None:
         graph = tf.compat.v1.get_default_graph()
@@ -247,8 +297,10 @@ def gated_apply(optimizer: Any, apply: Callable[[], None], predicate: tf.Tensor)
         with record():
             iterations_before = tf.identity(iterations.value())
         counter_handle.setdefault("name", iterations_before.op.inputs[0].op.inputs[0].name)
-        with _routed(optimizer, _GatedWrites(optimizer, predicate, record)):
+        writes = _GatedWrites(optimizer, predicate, record, forward_done)
+        with _routed(optimizer, writes):
             apply()
+        rows_to_put_back[:] = writes.rows_to_put_back
         # Keras counts the iteration with a plain assign_add: put it back.
         # Scalar, so the copy is free; and correct even if no increment ran.
         with record():
@@ -268,4 +320,15 @@ def gated_apply(optimizer: Any, apply: Callable[[], None], predicate: tf.Tensor)
     if not _writes_only_through(probe.graph, ours, counter_handle["name"]):
         return False
     update()
+    if rows_to_put_back or restore_on_skip:
+
+        def put_back() -> None:
+            for variable, value in restore_on_skip:
+                variable.assign(value)
+            # Last write first: rows written twice get their first old value.
+            for variable, indices, rows in reversed(rows_to_put_back):
+                variable.scatter_update(tf.IndexedSlices(rows, indices))
+
+        # Off the update's path: nothing waits for this cond.
+        tf.cond(predicate, lambda: None, put_back)
     return True

@@ -521,7 +521,8 @@ class DynamicLossScale(tf.Module):
 
         if checked is None:
             checked = self.check_gradients(grads)
-        flags = tf.concat([checked.flags, [_nonfinite_flag(loss)]], axis=0)
+        loss_flag = _nonfinite_flag(loss)
+        flags = tf.concat([checked.flags, [loss_flag]], axis=0)
         replica_context = tf.distribute.get_replica_context()
         if replica_context is None:
             raise RuntimeError(
@@ -548,19 +549,18 @@ class DynamicLossScale(tf.Module):
             # healthy steps do not pay for; otherwise (or for an optimizer
             # whose writes cannot be gated) the whole update sits in a cond.
             gated = not tf.distribute.has_strategy() and gated_apply(
-                optimizer, lambda: self._apply(optimizer, grads, variables), grads_finite
+                optimizer,
+                lambda: self._apply(optimizer, grads, variables),
+                grads_finite,
+                # Computed from the loss, so whatever waits for it comes
+                # after every read of the forward pass.
+                forward_done=None if loss is None else tf.equal(loss_flag, 0),
+                restore_on_skip=list(zip(restore_variables, restore_values)),
             )
             if not gated:
                 tf.cond(
                     grads_finite,
                     lambda: self._apply(optimizer, grads, variables),
-                    lambda: self._restore(restore_variables, restore_values),
-                )
-            elif restore_variables:
-                # Off the update's path: nothing waits for this cond.
-                tf.cond(
-                    grads_finite,
-                    lambda: None,
                     lambda: self._restore(restore_variables, restore_values),
                 )
             if update:

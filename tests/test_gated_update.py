@@ -64,8 +64,11 @@ def _state(model, optimizer) -> list[bytes]:
     return [v.numpy().tobytes() for v in model.trainable_variables + optimizer.variables]
 
 
-def _run(make_optimizer, sparse: bool, how: str, steps: int = 2):
+def _run(make_optimizer, sparse: bool, how: str, steps: int = 2, forward_done: bool = False):
     """Trains `steps` steps; how: 'stock', 'gated-apply', 'gated-skip'.
+    With `forward_done`, the loss's finiteness is passed to `gated_apply`,
+    as `DynamicLossScale.apply_gradients` does: sparse increments are then
+    written at once and put back on a skip.
     Returns (state bytes, whether the update was gated)."""
     model = _model(sparse)
     optimizer = make_optimizer()
@@ -89,6 +92,7 @@ def _run(make_optimizer, sparse: bool, how: str, steps: int = 2):
                      if isinstance(g, tf.IndexedSlices) else g * np.nan for g in grads]
         gated.append(gated_apply(
             optimizer, lambda: optimizer.apply(grads, model.trainable_variables), predicate,
+            forward_done=tf.math.is_finite(loss) if forward_done else None,
         ))
 
     before = _state(model, optimizer)
@@ -97,14 +101,14 @@ def _run(make_optimizer, sparse: bool, how: str, steps: int = 2):
     return before, _state(model, optimizer), all(gated)
 
 
-def _assert_gated_exactly(make_optimizer, sparse: bool):
+def _assert_gated_exactly(make_optimizer, sparse: bool, forward_done: bool = False):
     """Gated and applied equals `optimizer.apply` bit for bit; gated and
     skipped leaves every variable as it was. Returns (before, stock)."""
     _, stock, _ = _run(make_optimizer, sparse=sparse, how="stock")
-    _, applied, gated = _run(make_optimizer, sparse=sparse, how="gated-apply")
+    _, applied, gated = _run(make_optimizer, sparse=sparse, how="gated-apply", forward_done=forward_done)
     assert gated
     assert applied == stock
-    before, skipped, _ = _run(make_optimizer, sparse=sparse, how="gated-skip")
+    before, skipped, _ = _run(make_optimizer, sparse=sparse, how="gated-skip", forward_done=forward_done)
     assert skipped == before
     return before, stock
 
@@ -123,10 +127,11 @@ def test_every_builtin_optimizer_is_gated_bit_for_bit(name, increments):
     assert stock != before
 
 
+@pytest.mark.parametrize("forward_done", [False, True], ids=["after decision", "at once"])
 @pytest.mark.parametrize("name", ["SGD", "SGD-nesterov", "Adam", "AdamW", "Nadam", "Lion"])
-def test_sparse_embedding_updates_are_gated_bit_for_bit(name):
+def test_sparse_embedding_updates_are_gated_bit_for_bit(name, forward_done):
     make = OPTIMIZERS[name]
-    _assert_gated_exactly(make, sparse=True)
+    _assert_gated_exactly(make, sparse=True, forward_done=forward_done)
 
 
 class AddingSGD(keras.optimizers.SGD):
@@ -166,11 +171,33 @@ def test_additions_are_gated_bit_for_bit(sparse, increments):
     _assert_gated_exactly(make, sparse=sparse)
 
 
+class TwiceSGD(keras.optimizers.SGD):
+    """Two sparse increments to the same rows in one step (a subtraction,
+    then an addition of half of it back): the rows a skip puts back must be
+    those from before the first."""
+
+    def update_step(self, gradient, variable, learning_rate):
+        super().update_step(gradient, variable, learning_rate)
+        if isinstance(gradient, tf.IndexedSlices):
+            lr = tf.cast(learning_rate, variable.dtype)
+            self.assign_add(variable, tf.IndexedSlices(
+                gradient.values * lr * 0.5, gradient.indices, gradient.dense_shape))
+
+
+@pytest.mark.parametrize("make", [lambda: AddingSGD(0.1), lambda: TwiceSGD(0.1)], ids=["once", "twice"])
+def test_sparse_increments_written_at_once_are_put_back_exactly(make):
+    # The batch repeats token ids, so the increments carry duplicate rows.
+    x, _ = _batch(sparse=True)
+    assert len(np.unique(x.numpy())) < x.numpy().size
+    _assert_gated_exactly(make, sparse=True, forward_done=True)
+
+
+@pytest.mark.parametrize("forward_done", [None, True, False], ids=["no loss", "finite loss", "nonfinite loss"])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 @pytest.mark.parametrize("make", [lambda: AddingSGD(0.1), lambda: keras.optimizers.SGD(0.1),
                                   lambda: keras.optimizers.SGD(0.1, momentum=0.5)],
                          ids=["assign_add", "assign_sub", "momentum"])
-def test_skipped_updates_keep_negative_zero(make, sparse, increments):
+def test_skipped_updates_keep_negative_zero(make, sparse, forward_done, increments):
     # A skipped increment is + (-0.0) or - (+0.0), a skipped overwrite picks
     # the old value: anything else turns -0.0 into +0.0.
     model = _model(sparse=sparse)
@@ -187,7 +214,7 @@ def test_skipped_updates_keep_negative_zero(make, sparse, increments):
         grads = tape.gradient(loss, model.trainable_variables)
         assert isinstance(grads[0], tf.IndexedSlices) == sparse
         return gated_apply(optimizer, lambda: optimizer.apply(grads, model.trainable_variables),
-                           predicate)
+                           predicate, forward_done=None if forward_done is None else tf.constant(forward_done))
 
     assert step(tf.constant(False))
     for variable in model.trainable_variables:
@@ -273,9 +300,10 @@ def test_a_non_keras_optimizer_and_eager_execution_are_refused():
     assert gated_apply(keras.optimizers.SGD(), lambda: None, tf.constant(True)) is False
 
 
-def _trace_gated_step(model, optimizer, sparse: bool, inspect) -> None:
+def _trace_gated_step(model, optimizer, sparse: bool, inspect, forward_done: bool = False) -> None:
     """Traces one gated step of `optimizer` on `model`; inside the trace,
-    calls `inspect(ops, predicate)` with the ops `gated_apply` added."""
+    calls `inspect(ops, predicate, loss)` with the ops `gated_apply` added
+    (given the loss's finiteness if `forward_done`)."""
     optimizer.build(model.trainable_variables)
     x, y = _batch(sparse)
 
@@ -286,8 +314,9 @@ def _trace_gated_step(model, optimizer, sparse: bool, inspect) -> None:
         grads = tape.gradient(loss, model.trainable_variables)
         graph = tf.compat.v1.get_default_graph()
         before = len(graph.get_operations())
-        assert gated_apply(optimizer, lambda: optimizer.apply(grads, model.trainable_variables), predicate)
-        inspect(graph.get_operations()[before:], predicate)
+        assert gated_apply(optimizer, lambda: optimizer.apply(grads, model.trainable_variables), predicate,
+                           forward_done=tf.math.is_finite(loss) if forward_done else None)
+        inspect(graph.get_operations()[before:], predicate, loss)
 
     step.get_concrete_function(tf.TensorSpec([], tf.bool))
 
@@ -296,7 +325,7 @@ def _write_ops() -> dict[str, int]:
     model = _model(sparse=False)
     writes = {}
 
-    def count(ops, predicate):
+    def count(ops, predicate, loss):
         types = [op.type for op in ops]
         writes.update(subtract=types.count("AssignSubVariableOp"), assign=types.count("AssignVariableOp"),
                       variables=len(model.trainable_variables))
@@ -317,34 +346,58 @@ def test_small_increments_are_applied_in_place_and_large_ones_replace_the_value(
     assert replaced["assign"] == in_place["assign"] + count
 
 
+def _data_ancestry(ops) -> callable:
+    """`waits(op, tensor)`: whether `op` depends on `tensor` through its
+    inputs (control edges, which Grappler may drop, do not count)."""
+    memo = {}
+
+    def waits(op, tensor) -> bool:
+        key = (op.name, tensor.name)
+        if key not in memo:
+            memo[key] = False
+            memo[key] = op is tensor.op or any(waits(t.op, tensor) for t in op.inputs)
+        return memo[key]
+
+    return waits
+
+
+@pytest.mark.parametrize("forward_done", [False, True], ids=["decision only", "loss given"])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
-def test_every_write_takes_the_decision_as_data(sparse, increments):
-    # Writing small variables at once and putting them back on a skip was
-    # tried (about a point faster on a two-thread Transformer): under fit with
-    # oneDNN, a forward pass then sometimes read the value its own step had
-    # written, although a control edge ordered the read first. Each write
-    # must depend on the predicate through its inputs.
+def test_every_write_takes_the_decision_or_the_loss_as_data(sparse, forward_done, increments):
+    # Writing small dense variables at once and putting them back on a skip
+    # was tried: under fit, a forward pass then sometimes read the value its
+    # own step had written. Grappler had dropped the control edge that
+    # ordered the read first (it was implied by a path through a `Shape`,
+    # which constant folding then replaced). So every write depends, through
+    # its inputs, on the decision, or (sparse increments, when the loss is
+    # given) on the loss, which comes after every read of the forward pass;
+    # and what does not wait for the decision is put back on a skip.
     model = _model(sparse)
-    optimizer = keras.optimizers.SGD(0.1, momentum=0.5)
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.0 if sparse else 0.5)
     found = {}
 
-    def classify(ops, predicate):
-        memo = {}
-
-        def waits(op):
-            if op.name not in memo:
-                memo[op.name] = False
-                memo[op.name] = op is predicate.op or any(waits(t.op) for t in op.inputs)
-            return memo[op.name]
-
+    def classify(ops, predicate, loss):
+        waits = _data_ancestry(ops)
         # The counter's handle as captured in this graph.
         counter = _gated_update._tf_variable(optimizer.iterations).value().op.inputs[0].name
         writes = [op for op in ops if op.type.startswith(("Assign", "ResourceScatter"))]
-        found["counter"] = [waits(op) for op in writes if op.inputs[0].name == counter]
-        found["others"] = [waits(op) for op in writes if op.inputs[0].name != counter]
+        found["counter"] = [waits(op, predicate) for op in writes if op.inputs[0].name == counter]
+        found["others"] = [(waits(op, predicate), waits(op, loss)) for op in writes if op.inputs[0].name != counter]
+        conds = [op for op in ops if op.type in ("If", "StatelessIf")]
+        found["put back"] = sorted({t.name for op in conds for t in op.inputs if t.dtype == tf.resource})
+        found["early"] = sorted({op.inputs[0].name for op in writes
+                                 if op.inputs[0].name != counter and not waits(op, predicate)})
 
-    _trace_gated_step(model, optimizer, sparse, classify)
-    # Each variable and its momentum.
-    assert found["others"] == [True] * (2 * len(model.trainable_variables))
+    _trace_gated_step(model, optimizer, sparse, classify, forward_done=forward_done)
+    momentum = 0 if sparse else len(model.trainable_variables)
+    count = len(model.trainable_variables) + momentum
+    if sparse and forward_done:
+        # The Embedding's table, written at once and put back on a skip.
+        assert found["others"].count((False, True)) == 1
+        assert [waits_for_decision for waits_for_decision, _ in found["others"]].count(True) == count - 1
+        assert len(found["early"]) == 1 and found["put back"] == found["early"]
+    else:
+        assert [waits_for_decision for waits_for_decision, _ in found["others"]] == [True] * count
+        assert found["early"] == [] and found["put back"] == []
     # Keras's own increment of the counter, then the gated put-back.
     assert found["counter"] == [False, True]

@@ -648,3 +648,54 @@ def test_grad_norm_under_mirrored_strategy_is_each_replicas_batch_gradient_norm(
     expected = (norm_of(x[:8], y[:8]) + norm_of(x[8:], y[8:])) / 2
     history = model.fit(x, y, batch_size=16, shuffle=False, verbose=0).history
     assert history["grad_norm"][0] == pytest.approx(expected, rel=1e-5)
+
+
+@keras.saving.register_keras_serializable(package="mp_callbacks_tests")
+class NaNBackward(keras.layers.Layer):
+    """Weightless identity whose input gradient is NaN, whatever comes back:
+    the NaN does not wait for the rest of the backward pass."""
+
+    def call(self, x):
+        @tf.custom_gradient
+        def identity(value):
+            return tf.identity(value), lambda upstream: tf.fill(tf.shape(value), tf.constant(np.nan, value.dtype))
+
+        return identity(x)
+
+
+def test_an_embedding_written_before_the_decision_is_put_back_and_never_read_by_its_own_step():
+    """SGD's sparse update of an Embedding is written as soon as its
+    gradient exists (it comes last: waiting for the decision would make it
+    the step's tail) and its rows are put back on a skip. Here every step's
+    embedding gradient is NaN: the table must come out bit for bit as it
+    went in, and no step's forward pass may read its own NaN rows (the loss
+    of each step is the untouched model's loss on that batch). What orders
+    the write after the forward pass is checked on the graph in
+    test_gated_update (the write takes the loss as data)."""
+    keras.mixed_precision.set_global_policy("float32")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,), dtype="int32")
+    hidden = keras.layers.Flatten()(NaNBackward()(keras.layers.Embedding(50, 8)(inputs)))
+    outputs = keras.layers.Dense(3)(hidden)
+    model = mp.MixedPrecisionModel(inputs, outputs)
+    model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 50, (96, 6)).astype("int32")
+    y = rng.integers(0, 3, 96)
+    before = [w.copy() for w in model.get_weights()]
+    expected = [float(model.compute_loss(x=None, y=y[i:i + 8], y_pred=model(x[i:i + 8])))
+                for i in range(0, 96, 8)]
+
+    class StepLosses(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            means.append(float(logs["loss"]))
+
+    means = []
+    history = model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[StepLosses()]).history
+    assert history["skipped_steps"] == [12.0]
+    for after, old in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(after, old)
+    # Keras logs the running mean: recover each step's own loss.
+    steps = np.arange(1, 13)
+    per_step = np.diff(np.concatenate([[0.0], np.array(means) * steps]))
+    np.testing.assert_allclose(per_step, expected, rtol=1e-4)
