@@ -11,11 +11,14 @@ Keras: the median of each round's own ratio ("paired"), and the ratios of
 the medians, of the lower quartiles and of the fastest steps.
 
 Contenders: stock `keras.Model`, `MixedPrecisionModel.from_model` on a copy
-of the same layers, and (`--peer`) stock `keras.Model` with Keras's own
-`LossScaleOptimizer`, which skips non-finite steps with a `tf.cond`.
+of the same layers, (`--peer`) stock `keras.Model` with Keras's own
+`LossScaleOptimizer`, which skips non-finite steps with a `tf.cond`, and
+(`--revisions`) `MixedPrecisionModel` as it was at other git revisions of
+this repository, to measure a change against what it changes.
 
     python benchmarks/step_overhead.py --threads 2 --steps 1000 --peer
     python benchmarks/step_overhead.py --model resnet50 --threads 2 --steps 100
+    python benchmarks/step_overhead.py --threads 2 --steps 1000 --revisions HEAD~1
 """
 
 from __future__ import annotations
@@ -31,18 +34,23 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import mp_callbacks as mp  # noqa: E402
+from _revisions import package_at  # noqa: E402
 from _timing import add_real_model_options, apply_threads  # noqa: E402
 from real_models import data_for, resnet50, transformer  # noqa: E402
 
 BATCHES = 8
 
 
-def contenders(build, peer: bool) -> dict[str, keras.Model]:
+def contenders(build, peer: bool, revisions=()) -> dict[str, keras.Model]:
     models = {}
     keras.utils.set_random_seed(0)
     models["stock"] = build()
     keras.utils.set_random_seed(0)
     models["MixedPrecisionModel"] = mp.MixedPrecisionModel.from_model(build())
+    for revision in revisions:
+        package = package_at(revision)
+        keras.utils.set_random_seed(0)
+        models[f"MixedPrecisionModel@{revision}"] = package.MixedPrecisionModel.from_model(build())
     for model in models.values():
         model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy")
     if peer:
@@ -79,7 +87,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_real_model_options(parser, mp.POLICIES, ["resnet50", "transformer"])
     parser.add_argument("--steps", type=int, default=1000, help="interleaved rounds of one step each")
+    parser.add_argument("--revisions", nargs="+", default=[], metavar="REV",
+                        help="also time MixedPrecisionModel as it was at these git revisions")
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1; got {args.steps}")
     apply_threads(args.threads)
     keras.mixed_precision.set_global_policy(args.policy)
     build = resnet50 if args.model == "resnet50" else transformer
@@ -89,7 +101,10 @@ def main(argv=None):
          tf.constant(data.y_train[i * args.batch_size:(i + 1) * args.batch_size]))
         for i in range(BATCHES)
     ]
-    models = contenders(build, args.peer)
+    try:
+        models = contenders(build, args.peer, args.revisions)
+    except ValueError as error:
+        parser.error(str(error))
     print(f"{args.model}: policy {args.policy}, {args.steps} interleaved steps of "
           f"{args.batch_size}, threads {args.threads or 'default'}; "
           f"TensorFlow {tf.__version__}, Keras {keras.__version__}")
@@ -101,7 +116,7 @@ def main(argv=None):
         paired = statistics.median(a / b for a, b in zip(values, times["stock"]))
         values = sorted(values)
         quartile = len(values) // 4
-        print(f"  {name:26s} median {statistics.median(values) * 1e3:8.2f} ms   ratio to stock: "
+        print(f"  {name:34s} median {statistics.median(values) * 1e3:8.2f} ms   ratio to stock: "
               f"paired {paired:.3f}   "
               f"median {statistics.median(values) / statistics.median(stock):.3f}   "
               f"lower quartile {values[quartile] / stock[quartile]:.3f}   "

@@ -663,7 +663,8 @@ class NaNBackward(keras.layers.Layer):
         return identity(x)
 
 
-def test_an_embedding_written_before_the_decision_is_put_back_and_never_read_by_its_own_step():
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_an_embedding_written_before_the_decision_is_put_back_and_never_read_by_its_own_step(jit_compile):
     """SGD's sparse update of an Embedding is written as soon as its
     gradient exists (it comes last: waiting for the decision would make it
     the step's tail) and its rows are put back on a skip. Here every step's
@@ -678,7 +679,8 @@ def test_an_embedding_written_before_the_decision_is_put_back_and_never_read_by_
     hidden = keras.layers.Flatten()(NaNBackward()(keras.layers.Embedding(50, 8)(inputs)))
     outputs = keras.layers.Dense(3)(hidden)
     model = mp.MixedPrecisionModel(inputs, outputs)
-    model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=jit_compile)
     rng = np.random.default_rng(0)
     x = rng.integers(0, 50, (96, 6)).astype("int32")
     y = rng.integers(0, 3, 96)
