@@ -479,8 +479,9 @@ class DynamicLossScale(tf.Module):
             optimizer: a Keras optimizer (not a `LossScaleOptimizer`).
             grads: unscaled gradients, one per variable (None allowed).
             variables: the variables the gradients belong to.
-            loss: optional unscaled loss; a non-finite loss counts as
-                divergence for `NaNGradientMonitor`.
+            loss: optional unscaled loss, the one `grads` come from; a
+                non-finite loss counts as divergence for
+                `NaNGradientMonitor`, and sparse writes wait for it.
             restore_on_skip: `(variable, value)` pairs assigned back when
                 the step is skipped: state that the forward pass already
                 changed, such as BatchNormalization's moving statistics,
@@ -500,8 +501,11 @@ class DynamicLossScale(tf.Module):
 
         Inside a `tf.function` without a strategy, the update is not put in
         a `tf.cond`: each write the optimizer makes keeps the old value when
-        the step is skipped, which healthy steps do not pay for. An update
-        that writes state in ways that cannot be gated (see
+        the step is skipped, which healthy steps do not pay for. With
+        `loss`, a sparse increment (SGD on an Embedding) does not wait for
+        the decision: it is written once the loss is known to be finite,
+        and the rows it touched are put back on a skip. An update that
+        writes state in ways that cannot be gated (see
         `mp_callbacks._gated_update`) is put in a `tf.cond` instead.
         """
         grads = list(grads)
