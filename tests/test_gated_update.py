@@ -43,11 +43,11 @@ def increments(request, monkeypatch):
     return request.param
 
 
-def _model(sparse: bool) -> keras.Model:
+def _model(sparse: bool, table_dtype: str = "float32") -> keras.Model:
     keras.utils.set_random_seed(3)
     if sparse:
         inputs = keras.Input((3,), dtype="int32")
-        hidden = keras.layers.Flatten()(keras.layers.Embedding(10, 4)(inputs))
+        hidden = keras.layers.Flatten()(keras.layers.Embedding(10, 4, dtype=table_dtype)(inputs))
     else:
         inputs = keras.Input((4,))
         hidden = keras.layers.Dense(3)(inputs)
@@ -64,13 +64,18 @@ def _state(model, optimizer) -> list[bytes]:
     return [v.numpy().tobytes() for v in model.trainable_variables + optimizer.variables]
 
 
-def _run(make_optimizer, sparse: bool, how: str, steps: int = 2, forward_done: bool = False):
+def _run(make_optimizer, sparse: bool, how: str, steps: int = 2, forward_done: bool = False,
+         table_dtype: str = "float32", restore_on_skip: bool = False):
     """Trains `steps` steps; how: 'stock', 'gated-apply', 'gated-skip'.
     With `forward_done`, the loss's finiteness is passed to `gated_apply`,
     as `DynamicLossScale.apply_gradients` does: sparse increments are then
     written at once and put back on a skip.
+    With `restore_on_skip`, a stand-in for forward-pass state (set to 1 in
+    the step, as a BatchNormalization statistic would be) is put back to 0
+    on a skip.
     Returns (state bytes, whether the update was gated)."""
-    model = _model(sparse)
+    model = _model(sparse, table_dtype)
+    statistic = tf.Variable(0.0)
     optimizer = make_optimizer()
     optimizer.build(model.trainable_variables)
     x, y = _batch(sparse)
@@ -83,6 +88,7 @@ def _run(make_optimizer, sparse: bool, how: str, steps: int = 2, forward_done: b
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean((model(x) - y) ** 2)
         grads = tape.gradient(loss, model.trainable_variables)
+        statistic.assign(1.0)
         if how == "stock":
             optimizer.apply(grads, model.trainable_variables)
             return
@@ -93,22 +99,29 @@ def _run(make_optimizer, sparse: bool, how: str, steps: int = 2, forward_done: b
         gated.append(gated_apply(
             optimizer, lambda: optimizer.apply(grads, model.trainable_variables), predicate,
             forward_done=tf.math.is_finite(loss) if forward_done else None,
+            restore_on_skip=[(statistic, tf.constant(0.0))] if restore_on_skip else (),
         ))
 
     before = _state(model, optimizer)
     for _ in range(steps):
         step(tf.constant(how == "gated-apply"))
-    return before, _state(model, optimizer), all(gated)
+    state = _state(model, optimizer)
+    if restore_on_skip:
+        state.append(float(statistic.numpy()))
+        before.append(1.0 if how == "gated-apply" else 0.0)
+    return before, state, all(gated)
 
 
-def _assert_gated_exactly(make_optimizer, sparse: bool, forward_done: bool = False):
+def _assert_gated_exactly(make_optimizer, sparse: bool, forward_done: bool = False, **options):
     """Gated and applied equals `optimizer.apply` bit for bit; gated and
     skipped leaves every variable as it was. Returns (before, stock)."""
-    _, stock, _ = _run(make_optimizer, sparse=sparse, how="stock")
-    _, applied, gated = _run(make_optimizer, sparse=sparse, how="gated-apply", forward_done=forward_done)
+    _, stock, _ = _run(make_optimizer, sparse=sparse, how="stock", table_dtype=options.get("table_dtype", "float32"))
+    _, applied, gated = _run(make_optimizer, sparse=sparse, how="gated-apply", forward_done=forward_done, **options)
     assert gated
-    assert applied == stock
-    before, skipped, _ = _run(make_optimizer, sparse=sparse, how="gated-skip", forward_done=forward_done)
+    assert applied[:len(stock)] == stock
+    if options.get("restore_on_skip"):
+        assert applied[len(stock):] == [1.0], "the forward pass's state is put back on a skip only"
+    before, skipped, _ = _run(make_optimizer, sparse=sparse, how="gated-skip", forward_done=forward_done, **options)
     assert skipped == before
     return before, stock
 
@@ -190,6 +203,14 @@ def test_sparse_increments_written_at_once_are_put_back_exactly(make):
     x, _ = _batch(sparse=True)
     assert len(np.unique(x.numpy())) < x.numpy().size
     _assert_gated_exactly(make, sparse=True, forward_done=True)
+
+
+@pytest.mark.parametrize("forward_done", [False, True], ids=["after decision", "at once"])
+def test_a_float64_table_and_restore_on_skip_share_the_put_back(forward_done):
+    # The table's own dtype for the gated zeros; the forward pass's state is
+    # put back in the same branch as the table's rows, and only on a skip.
+    _assert_gated_exactly(lambda: keras.optimizers.SGD(0.1), sparse=True, forward_done=forward_done,
+                          table_dtype="float64", restore_on_skip=True)
 
 
 @pytest.mark.parametrize("forward_done", [None, True, False], ids=["no loss", "finite loss", "nonfinite loss"])
