@@ -543,6 +543,7 @@ class DynamicLossScale(tf.Module):
         else:
             grads_finite = tf.equal(tf.reduce_sum(flags[:-1]), 0)
 
+        restore_on_skip = list(restore_on_skip)
         restore_variables = [variable for variable, _ in restore_on_skip]
         restore_values = [value for _, value in restore_on_skip]
         if (
@@ -559,7 +560,7 @@ class DynamicLossScale(tf.Module):
                 # Computed from the loss, so whatever waits for it comes
                 # after every read of the forward pass.
                 forward_done=None if loss is None else tf.equal(loss_flag, 0),
-                restore_on_skip=list(zip(restore_variables, restore_values)),
+                restore_on_skip=restore_on_skip,
             )
             if not gated:
                 tf.cond(
