@@ -35,6 +35,16 @@ def functional_class() -> type:
     return Functional
 
 
+def init_functional(model: Any, args: tuple, kwargs: dict) -> None:
+    """What keras.Model.__init__ does for a functional call, without its
+    `inject_functional_model_class`, which rewrites the `__bases__` of every
+    class between the model's and keras.Model for the whole process."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    TensorFlowTrainer.__init__(model)
+    functional_class().__init__(model, *args, **kwargs)
+
+
 def keras_saveable_class() -> type:
     from keras.src.saving.keras_saveable import KerasSaveable
 
@@ -73,6 +83,34 @@ def _multi_worker_mode_flag() -> bool:
     from tensorflow.python.distribute import collective_all_reduce_strategy
 
     return hasattr(collective_all_reduce_strategy.CollectiveAllReduceExtended, "_in_multi_worker_mode")
+
+
+def _functional_init() -> bool:
+    class Probe(keras.Model):
+        pass
+
+    inputs = keras.Input((2,))
+    outputs = keras.layers.Dense(1)(inputs)
+    model = Probe.__new__(type("ProbeFunctional", (Probe, functional_class()), {}))
+    init_functional(model, (inputs, outputs), {})
+    return Probe.__bases__ == (keras.Model,) and model.built and len(model.layers) == 2
+
+
+# Every method Keras's LossScaleOptimizer defines that reads its own state
+# (made in its __init__ and build, which mp_callbacks' subclass skips).
+LOSS_SCALE_OPTIMIZER_OVERRIDES = frozenset({
+    "__init__", "build", "variables", "stateless_apply", "apply", "learning_rate",
+    "iterations", "scale_loss", "finalize_variable_values", "get_config", "from_config",
+})
+# Its methods that read no state of its own: inherited as they are.
+LOSS_SCALE_OPTIMIZER_STATELESS = frozenset({"check_finite"})
+
+
+def _loss_scale_optimizer_methods() -> bool:
+    own = {name for name in vars(keras.optimizers.LossScaleOptimizer) if not name.startswith("__")
+           or name == "__init__"}
+    helpers = {name for name in own if name.startswith("_") and name != "__init__"}
+    return own - helpers <= LOSS_SCALE_OPTIMIZER_OVERRIDES | LOSS_SCALE_OPTIMIZER_STATELESS
 
 
 def _has(obj: Any, *names: str) -> bool:
@@ -122,6 +160,12 @@ def _object_registration() -> bool:
 INTERNALS = (
     Internal("keras.src.models.functional.Functional", "model.py (functional MixedPrecisionModel)",
              lambda: isinstance(functional_class(), type)),
+    Internal("keras.Model.__init__ = TensorFlowTrainer.__init__ + Functional.__init__ for a functional call",
+             "model.py (a subclass that calls super().__init__(inputs=..., outputs=...))",
+             _functional_init),
+    Internal("keras.optimizers.LossScaleOptimizer methods, all overridden by mp_callbacks'",
+             "loss_scale_optimizer.py (subclasses Keras's, skipping its __init__)",
+             _loss_scale_optimizer_methods),
     Internal("keras.src.saving.object_registration.GLOBAL_CUSTOM_NAMES",
              "model.py (functional variant serializes under the user's name)", _object_registration),
     Internal("keras.src.saving.keras_saveable.KerasSaveable",

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-__all__ = ["MixedPrecisionWarning", "NonFiniteGradientError"]
+__all__ = ["MixedPrecisionWarning", "NonFiniteGradientError", "UnsupportedArgumentError"]
 
 
 class MixedPrecisionWarning(UserWarning):
     """Something in mixed-precision training needs the user's attention."""
+
+
+class UnsupportedArgumentError(TypeError, ValueError):
+    """An unknown keyword argument: a `TypeError` as Python (and tf.keras)
+    raises it, and a `ValueError` as Keras 3's `LossScaleOptimizer` does."""
 
 
 class NonFiniteGradientError(RuntimeError):

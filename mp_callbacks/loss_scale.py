@@ -27,17 +27,25 @@ NaN update would destroy the weights.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import numbers
-from typing import Any, Iterable, NamedTuple, Sequence
+import threading
+import warnings
+from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
 from mp_callbacks._backend import keras, tf
 from mp_callbacks._gated_update import gated_apply
+from mp_callbacks._step_record import StepRecord
 from mp_callbacks._validation import FLOAT32_MAX, check_int, check_real, fail
+from mp_callbacks.errors import MixedPrecisionWarning
 
 __all__ = ["CheckedGradients", "DynamicLossScale", "STATE_VARIABLES"]
+
+logger = logging.getLogger(__name__)
 
 _ONLY_FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
 # The hot-path methods branch only on Python values; AutoGraph has nothing
@@ -103,6 +111,11 @@ STATE_VARIABLES = (
         "lowest_scale", tf.float32,
         "the lowest scale a step reached since the last reset_lowest_scale()",
     ),
+    _StateVariable(
+        "calibration_steps", tf.int64,
+        "skipped steps before the first applied one: a dynamic scale calibrating "
+        "down from initial_scale",
+    ),
 )
 _COUNTERS = tuple(v.name for v in STATE_VARIABLES if v.dtype == tf.int64)
 # Names used by earlier releases in saved weights.
@@ -139,6 +152,30 @@ def _valid_counter(value: np.ndarray) -> bool:
     return False
 
 
+_THREAD_STATE = threading.local()
+
+
+def _per_thread(name: str) -> dict[int, Any]:
+    """A dict of this thread's own, for trace-time state keyed by object id."""
+    table = getattr(_THREAD_STATE, name, None)
+    if table is None:
+        table = {}
+        setattr(_THREAD_STATE, name, table)
+    return table
+
+
+def _applied_norm(checked: "CheckedGradients", grads: list[Any], variables: list[Any]) -> tf.Tensor:
+    """The global norm of the gradients, leaving out float8 state variables,
+    whose "gradients" are their next values."""
+    overwrite = [bool(getattr(v, "overwrite_with_gradient", False)) for v in variables]
+    if not any(overwrite):
+        return checked.global_norm
+    squares = [_half_sum_of_squares(g) for g, skip in zip(grads, overwrite) if not skip]
+    if not squares:
+        return tf.constant(0.0, tf.float32)
+    return tf.sqrt(2.0 * tf.add_n(squares))
+
+
 class _Untracked:
     """Holds the model's variables without making them the loss scale's:
     a list set on a tf.Module would be walked into its `variables` and
@@ -159,9 +196,13 @@ class CheckedGradients(NamedTuple):
 
 
 def _nonfinite_flag(value: Any) -> tf.Tensor:
-    """1 if `value` holds any inf or NaN, else 0 (int64; 0 for None)."""
+    """1 if `value` holds any inf or NaN, else 0 (int64; 0 for None; the
+    largest flag for a list of losses)."""
     if value is None:
         return tf.constant(0, tf.int64)
+    if isinstance(value, (list, tuple)):
+        flags = [_nonfinite_flag(v) for v in value]
+        return flags[0] if len(flags) == 1 else tf.reduce_max(tf.stack(flags))
     if isinstance(value, tf.IndexedSlices):
         value = value.values
     return tf.cast(
@@ -290,8 +331,9 @@ class DynamicLossScale(tf.Module):
         self._nonfinite_counts = None
         self._variable_paths: list[str] = []
         self._variable_ids: tuple[int, ...] = ()
-        # Steps of several optimizers awaiting one update() (trace-time list).
-        self._pending: list[tuple[list[Any], tf.Tensor]] = []
+        # Whether the last recorded step scaled its loss (None: none traced yet).
+        self._scaling_seen: bool | None = None
+        self._warned_optimizers: set[int] = set()
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -382,9 +424,59 @@ class DynamicLossScale(tf.Module):
         """The current scale as a float32 tensor (no host sync)."""
         return tf.identity(self._scale)
 
+    # ------------------------------------------------------- step records
+    # Per thread: MirroredStrategy traces each replica's step in a thread of
+    # its own, and each replica keeps its own record and pending applies.
+    @property
+    def _record(self) -> StepRecord | None:
+        """The training step being traced, when a MixedPrecisionModel records it."""
+        return _per_thread("records").get(id(self))
+
+    @property
+    def _pending(self) -> list[tuple[list[Any], tf.Tensor, tf.Tensor | None]]:
+        """Applies awaiting one update() (variables, flags, and the decision
+        when it needed no all-reduce)."""
+        return _per_thread("pending").setdefault(id(self), [])
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[StepRecord]:
+        """Records one training step (see `mp_callbacks._step_record`):
+        while open, applies defer the state update to `finish_step`."""
+        records = _per_thread("records")
+        outer = records.get(id(self))
+        records[id(self)] = record = StepRecord()
+        try:
+            yield record
+        finally:
+            records[id(self)] = outer
+
+    def finish_step(self, record: StepRecord) -> None:
+        """Advances the state machine once for the recorded step's applies."""
+        if self._pending:
+            self.update()
+        self._scaling_seen = record.loss_scaled
+
+    @property
+    def scales_losses(self) -> bool:
+        """True when this scale multiplies the losses it trains on: it is
+        not fixed at 1.0 and the last recorded step (if any) scaled its
+        loss. False for a model's own `train_step` that never calls
+        `scale`, whose gradients are then not scaled either."""
+        return self.scaling_active and self._scaling_seen is not False
+
+    # -------------------------------------------------------------- hot path
     @_no_autograph
     def scale(self, loss: Any) -> tf.Tensor:
-        """Returns `loss * scale`, in the dtype of `loss`."""
+        """Returns `loss * scale`, in the dtype of `loss`.
+
+        Step 1 of 2 in your own training step: scale the loss inside the
+        `GradientTape`, then pass the gradients of the scaled loss to `step`.
+        """
+        if self._record is not None:
+            self._record.note_loss(loss)
+            self._record.loss_scaled = True
+        elif self._scaling_seen is None:
+            self._scaling_seen = True
         if not self.scaling_active:
             return loss
         loss = tf.convert_to_tensor(loss)
@@ -397,8 +489,14 @@ class DynamicLossScale(tf.Module):
         With `variables`, the "gradients" of variables that Keras overwrites
         with their gradient (`overwrite_with_gradient`: float8 layers' scales
         and amax histories) pass through unchanged, as in Keras's own
-        `LossScaleOptimizer`.
+        `LossScaleOptimizer`. Inside a `MixedPrecisionModel`'s training
+        step, the model's optimizer then takes these gradients as unscaled.
         """
+        if self._record is not None:
+            self._record.unscaled_by_hand = True
+        return self._unscale(grads, variables)
+
+    def _unscale(self, grads: Iterable[Any], variables: Iterable[Any] | None = None) -> list[Any]:
         grads = list(grads)
         if not self.scaling_active:
             return grads
@@ -461,36 +559,52 @@ class DynamicLossScale(tf.Module):
         variables: Iterable[Any],
         loss: Any = None,
         restore_on_skip: Sequence[tuple[Any, Any]] = (),
-        update: bool = True,
+        update: bool | None = None,
         checked: CheckedGradients | None = None,
     ) -> tf.Tensor:
         """Applies unscaled `grads` if all are finite; updates the state.
+
+        `step` is the same for the gradients of a scaled loss (it unscales
+        them first); this method is for gradients you unscaled yourself
+        (to clip them, say).
 
         Several optimizers, one scale (a GAN's generator and discriminator):
         call this once per optimizer with `update=False`, then `update()`
         once. Each optimizer is skipped only if its own gradients are not
         all finite (PyTorch's `GradScaler.step(optimizer)`), and the scale
         moves once per training step: it backs off if any optimizer's
-        gradients overflowed (`GradScaler.update()`). The variables of all
-        the optimizers are counted together: `build` them all at once, or
-        let the calls do it on the first step.
+        gradients overflowed (`GradScaler.update()`). Inside a
+        `MixedPrecisionModel`'s training step this is the default: the
+        model calls `update()` once at the end of the step. The variables
+        of all the optimizers are counted together: `build` them all at
+        once, or let the calls do it on the first step.
 
         Args:
-            optimizer: a Keras optimizer (not a `LossScaleOptimizer`).
+            optimizer: a Keras optimizer. A `LossScaleOptimizer` is
+                unwrapped: its inner optimizer applies the gradients
+                (Keras's own, which `compile` adds under `mixed_float16`,
+                with a `MixedPrecisionWarning`: it would unscale them a
+                second time). A `loss_scale_factor` set on the optimizer is
+                cleared, with a warning, for the same reason.
             grads: unscaled gradients, one per variable (None allowed).
             variables: the variables the gradients belong to.
-            loss: optional unscaled loss, the one `grads` come from; a
-                non-finite loss counts as divergence for
-                `NaNGradientMonitor`, and sparse writes wait for it.
+            loss: the unscaled loss the gradients come from, or None
+                (default; inside a `MixedPrecisionModel`'s step, the losses
+                the step computed or scaled). A non-finite loss counts as
+                divergence for `NaNGradientMonitor`, and sparse writes wait
+                for it.
             restore_on_skip: `(variable, value)` pairs assigned back when
                 the step is skipped: state that the forward pass already
                 changed, such as BatchNormalization's moving statistics,
                 read before the forward pass. Nothing is assigned on an
-                applied step.
+                applied step. Defaults to none.
             update: advance the state machine now (True), or leave it to
-                one `update()` call after every optimizer of the step.
+                one `update()` call after every optimizer of the step
+                (False). None (default): False inside a
+                `MixedPrecisionModel`'s training step, True elsewhere.
             checked: the result of `check_gradients(grads)`, when the caller
-                already made that pass (for the norm): it is not made twice.
+                already made that pass: it is not made twice. Defaults to
+                None (the pass is made here).
 
         Returns:
             A boolean scalar tensor: True if the gradients were applied.
@@ -515,6 +629,12 @@ class DynamicLossScale(tf.Module):
                 "DynamicLossScale.apply_gradients: got "
                 f"{len(grads)} gradients for {len(variables)} variables."
             )
+        optimizer = self._plain_optimizer(optimizer)
+        record = self._record
+        if loss is None and record is not None and record.losses:
+            loss = list(record.losses)
+        if update is None:
+            update = record is None
         if self.built and not set(map(id, variables)) <= set(self._variable_ids):
             known = {id(v) for v in self._built.items}
             self.build(self._built.items + [v for v in variables if id(v) not in known])
@@ -538,10 +658,13 @@ class DynamicLossScale(tf.Module):
             flags = replica_context.all_reduce(
                 tf.distribute.ReduceOp.SUM, flags
             )
+        local_decision = None
         if replica_context.num_replicas_in_sync == 1 and checked.all_finite is not None:
-            grads_finite = checked.all_finite
+            grads_finite = local_decision = checked.all_finite
         else:
             grads_finite = tf.equal(tf.reduce_sum(flags[:-1]), 0)
+        if record is not None:
+            record.note_apply(grads_finite, _applied_norm(checked, grads, variables))
 
         restore_on_skip = list(restore_on_skip)
         restore_variables = [variable for variable, _ in restore_on_skip]
@@ -571,7 +694,7 @@ class DynamicLossScale(tf.Module):
             if update:
                 self._update_state(self._full_flags(variables, flags), grads_finite)
             else:
-                self._pending.append((variables, flags))
+                self._pending.append((variables, flags, local_decision))
         else:
             # A cond whose branch calls optimizer.apply (which merge_calls)
             # cannot run in a replica context: decide in cross-replica context,
@@ -599,8 +722,75 @@ class DynamicLossScale(tf.Module):
 
             replica_context.merge_call(decide, args=(grads, flags, restore_values))
             if not update:
-                self._pending.append((variables, flags))
+                self._pending.append((variables, flags, None))
         return grads_finite
+
+    @_no_autograph
+    def step(
+        self,
+        optimizer: keras.optimizers.Optimizer,
+        grads: Iterable[Any],
+        variables: Iterable[Any],
+        loss: Any = None,
+        update: bool | None = None,
+    ) -> tf.Tensor:
+        """Unscales the gradients of a scaled loss and applies them, unless
+        one is not finite (PyTorch's `GradScaler.step(optimizer)`).
+
+        Step 2 of 2 in your own training step, after `scale`:
+
+            with tf.GradientTape() as tape:
+                loss = ...
+                scaled_loss = loss_scale.scale(loss)
+            grads = tape.gradient(scaled_loss, variables)
+            loss_scale.step(optimizer, grads, variables, loss=loss)
+
+        Args and Returns: as for `apply_gradients`, with `grads` the
+        gradients of the scaled loss.
+        """
+        variables = list(variables)
+        return self.apply_gradients(
+            optimizer, self._unscale(grads, variables), variables, loss=loss, update=update
+        )
+
+    def _plain_optimizer(self, optimizer: Any) -> Any:
+        """The optimizer that applies the gradients: never one that would
+        unscale them again."""
+        from mp_callbacks.loss_scale_optimizer import LossScaleOptimizer
+
+        if isinstance(optimizer, LossScaleOptimizer):
+            if optimizer.dynamic_loss_scale is not self:
+                self._warn_once(optimizer, (
+                    f"DynamicLossScale.apply_gradients got a LossScaleOptimizer with its own loss "
+                    f"scale ({optimizer.dynamic_loss_scale!r}); this one decides the step and its "
+                    "inner optimizer applies it, so that scale does not move."
+                ))
+            optimizer = optimizer.inner_optimizer
+        elif isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            self._warn_once(optimizer, (
+                "DynamicLossScale.apply_gradients got Keras's LossScaleOptimizer, which "
+                "compile() puts around the optimizer under mixed_float16 and which would "
+                "unscale these gradients a second time. Its inner optimizer applies them "
+                "instead. Compile with auto_scale_loss=False (or use MixedPrecisionModel) "
+                "to pass the optimizer itself."
+            ))
+            optimizer = optimizer.inner_optimizer
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            fail(_OWNER, "optimizer", optimizer, "a Keras optimizer", TypeError)
+        factor = getattr(optimizer, "loss_scale_factor", None)
+        if factor is not None:
+            self._warn_once(optimizer, (
+                f"DynamicLossScale.apply_gradients: the optimizer's loss_scale_factor={factor!r} "
+                "is cleared: the gradients are unscaled by this DynamicLossScale, and Keras "
+                "would divide them by the factor again."
+            ))
+            optimizer.loss_scale_factor = None
+        return optimizer
+
+    def _warn_once(self, about: Any, message: str) -> None:
+        if id(about) not in self._warned_optimizers:
+            self._warned_optimizers.add(id(about))
+            warnings.warn(message, MixedPrecisionWarning, stacklevel=4)
 
     @_no_autograph
     def update(self) -> None:
@@ -610,7 +800,8 @@ class DynamicLossScale(tf.Module):
         The step counts as overflowing (skipped, backing off) if any of
         those optimizers' gradients were non-finite, and as divergent if
         any loss was non-finite. Call it in the same `tf.function` as those
-        calls, once per training step.
+        calls, once per training step (a `MixedPrecisionModel` calls it at
+        the end of its training steps).
         """
         if not self._pending:
             raise RuntimeError(
@@ -618,11 +809,17 @@ class DynamicLossScale(tf.Module):
                 "apply_gradients(optimizer, grads, variables, update=False) for each "
                 "optimizer first, then update() once."
             )
-        pending, self._pending = self._pending, []
+        pending = self._pending
+        _per_thread("pending")[id(self)] = []
+        if len(pending) == 1 and pending[0][2] is not None:
+            # One apply without a strategy: its decision is the step's.
+            variables, flags, decision = pending[0]
+            self._update_state(self._full_flags(variables, flags), decision)
+            return
         position = {id(v): i for i, v in enumerate(self._built.items)}
         per_variable = [tf.constant(0, tf.int64)] * len(position)
         loss_flags = []
-        for variables, flags in pending:
+        for variables, flags, _ in pending:
             for i, variable in enumerate(variables):
                 per_variable[position[id(variable)]] = tf.maximum(
                     per_variable[position[id(variable)]], flags[i]
@@ -669,6 +866,32 @@ class DynamicLossScale(tf.Module):
     def _restore(variables, values):
         for variable, value in zip(variables, values):
             variable.assign(value)
+
+    @_no_autograph
+    def _restore_if_skipped(self, applied: tf.Tensor, pairs: Sequence[tuple[Any, Any]]) -> None:
+        """Assigns each `(variable, value)` back when `applied` is False."""
+        variables = [variable for variable, _ in pairs]
+        values = [value for _, value in pairs]
+        replica_context = tf.distribute.get_replica_context()
+        if (
+            replica_context is None
+            or not tf.distribute.has_strategy()
+            or tf.__internal__.distribute.strategy_supports_no_merge_call()
+        ):
+            tf.cond(applied, lambda: None, lambda: self._restore(variables, values))
+            return
+
+        # As in apply_gradients: a cond that writes replicated state is
+        # taken in cross-replica context.
+        def restore(distribution, applied, values):
+            applied = distribution.experimental_local_results(applied)[0]
+
+            def on_every_replica():
+                distribution.extended.call_for_each_replica(self._restore, args=(variables, values))
+
+            tf.cond(applied, lambda: None, on_every_replica)
+
+        replica_context.merge_call(restore, args=(applied, values))
 
     @_no_autograph
     def _update_state(self, flags: tf.Tensor, grads_finite: tf.Tensor | None = None) -> None:
@@ -724,6 +947,12 @@ class DynamicLossScale(tf.Module):
             "skipped": tf.constant(1, tf.int64),
             "divergent": tf.logical_or(loss_diverged, scale <= self.min_scale),
         }
+        # Overflows before any step was applied: a dynamic scale finding its
+        # level from initial_scale, which every dynamic scaler does at first.
+        if self.is_dynamic:
+            if_overflow["calibration"] = tf.cast(
+                tf.equal(state["step_count"], state["skipped_steps"]), tf.int64
+            )
         lowest = state["lowest_scale"].read_value()
         run = state["divergent_run"].read_value()
         max_run = state["max_divergent_run"].read_value()
@@ -743,6 +972,8 @@ class DynamicLossScale(tf.Module):
         state["skipped_steps"].assign_add(taken("skipped"))
         state["nonfinite_loss_steps"].assign_add(tf.cast(loss_diverged, tf.int64))
         state["divergent_steps"].assign_add(taken("divergent"))
+        if self.is_dynamic:
+            state["calibration_steps"].assign_add(tf.where(grads_finite, zero, if_overflow["calibration"]))
         self._nonfinite_counts.assign_add(per_variable)
 
     # ------------------------------------------------------ host-side reads
@@ -758,8 +989,10 @@ class DynamicLossScale(tf.Module):
         `step_count`, `skipped_steps` (total skipped), `nonfinite_loss_steps`,
         `divergent_steps` (a non-finite loss, or a skipped step with the scale
         at `min_scale`), `divergent_run` (current run of consecutive divergent
-        steps) and `max_divergent_run` (longest run since the last
-        `reset_divergence_latches`).
+        steps), `max_divergent_run` (longest run since the last
+        `reset_divergence_latches`) and `calibration_steps` (skipped steps
+        before the first applied one, while a dynamic scale comes down from
+        `initial_scale`).
         """
         names = [spec.name for spec in STATE_VARIABLES]
         # One device-to-host transfer; float64 holds the counters exactly

@@ -1,28 +1,32 @@
-"""`LossScaleOptimizer`: the Keras 2 custom-loop contract on Keras 3.
+"""`LossScaleOptimizer`: tf.keras's and Keras 3's loss-scaling optimizer on `DynamicLossScale`.
 
-Every TF 2.x mixed-precision guide teaches, for hand-written loops,
+Two contracts meet in one class:
 
-    scaled_loss = optimizer.get_scaled_loss(loss)
-    scaled_grads = tape.gradient(scaled_loss, variables)
-    grads = optimizer.get_unscaled_gradients(scaled_grads)
-    optimizer.apply_gradients(zip(grads, variables))
+* tf.keras (every TF 2.x guide's custom loop): `get_scaled_loss(loss)`,
+  `get_unscaled_gradients(grads)`, then `apply_gradients` of the *unscaled*
+  gradients. On Keras 3 these methods are gone (keras-team/keras#19479,
+  #20894).
+* Keras 3 (`fit`, and `train_step`s written after Keras's own):
+  `scale_loss(loss)`, then `apply`/`apply_gradients` of the gradients of
+  the *scaled* loss, which the optimizer unscales.
 
-and on Keras 3 that fails with AttributeError: `get_scaled_loss` and
-`get_unscaled_gradients` are gone (keras-team/keras#19479, #20894). This
-wrapper brings them back on top of `DynamicLossScale`: `apply_gradients`
-takes *unscaled* gradients (no double unscaling), skips the step when any
-is non-finite and updates the dynamic scale.
+An apply therefore unscales the gradients unless they were unscaled by
+`get_unscaled_gradients` since the last apply. Either way the step is
+skipped when a gradient is not finite, and the scale moves as
+`DynamicLossScale` describes. It subclasses Keras's `LossScaleOptimizer`,
+so Keras (`compile` under `mixed_float16`, `TensorBoard`, `SwapEMAWeights`)
+treats it as one and never wraps it a second time.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 from mp_callbacks._backend import keras, tf
 from mp_callbacks._validation import check_int, fail
-from mp_callbacks.errors import MixedPrecisionWarning
+from mp_callbacks.errors import MixedPrecisionWarning, UnsupportedArgumentError
 from mp_callbacks.loss_scale import DynamicLossScale, check_fixed_scale, loss_scale_from_argument
 
 __all__ = ["LossScaleOptimizer"]
@@ -43,9 +47,14 @@ _BASE_DEFAULTS = {
     "loss_scale_factor": None,
     "gradient_accumulation_steps": None,
 }
-# Hyperparameters Keras's base optimizer stores on the wrapper too; after
-# construction they are read from and written to the inner optimizer.
-_DELEGATED = frozenset(set(_BASE_DEFAULTS) - {"loss_scale_factor"})
+# DynamicLossScale settings beyond tf.keras's, and their defaults.
+_EXTRA_SETTINGS = {
+    "growth_factor": 2.0,
+    "backoff_factor": 0.5,
+    "min_scale": 1.0,
+    "max_scale": 2.0**24,
+    "hysteresis": 1,
+}
 _SCALING_EXAMPLE = """
     with tf.GradientTape() as tape:
       loss = loss_fn()
@@ -61,9 +70,17 @@ def _overwrites_with_gradient(variable: Any) -> bool:
     return bool(getattr(variable, "overwrite_with_gradient", False))
 
 
+def _integral(value: Any) -> Any:
+    """An integral float (2.0) as an int, as both peers accept one."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
 @keras.saving.register_keras_serializable(package="mp_callbacks")
-class LossScaleOptimizer(keras.optimizers.Optimizer):
-    """Wraps a Keras 3 optimizer with the Keras 2 loss-scaling methods.
+class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """Wraps a Keras 3 optimizer with dynamic loss scaling, for both the
+    tf.keras and the Keras 3 ways of using one.
 
     Takes tf.keras's signature, so that TF 2.x code runs with only its
     import changed, and `DynamicLossScale`'s finer settings as keywords.
@@ -75,31 +92,43 @@ class LossScaleOptimizer(keras.optimizers.Optimizer):
         dynamic: True (default) for a dynamic loss scale; False for a
             fixed one, which needs `initial_scale`.
         initial_scale: the starting (or, with `dynamic=False`, the fixed)
-            scale; default 2**15 for a dynamic scale.
-        dynamic_growth_steps: finite steps between growths (default 2000);
-            only for a dynamic scale. `growth_interval` is the same.
+            scale. Defaults to 2**15 for a dynamic scale.
+        dynamic_growth_steps: finite steps between growths, an integer
+            (2.0 is taken as 2). Defaults to 2000; only for a dynamic
+            scale. `growth_interval` is the same setting.
         growth_interval, growth_factor, backoff_factor, min_scale,
         max_scale, hysteresis: keywords, as for `DynamicLossScale`.
         loss_scale: instead of the arguments above, a ready
             `DynamicLossScale`, its config dict, or a number in
             [2**-24, 2**64] (a fixed scale, as is `initial_scale` with
-            `dynamic=False`).
-        name: optimizer name.
+            `dynamic=False`). Defaults to None.
+        name: optimizer name. Defaults to None.
 
-    Attributes (as in tf.keras): `inner_optimizer`, `dynamic`,
+    Raises:
+        TypeError: `inner_optimizer` is not a Keras optimizer, or is a
+            `LossScaleOptimizer`; `dynamic` is not a bool.
+        ValueError: the optimizer is already wrapped; a base-optimizer
+            argument (`clipnorm`, ...) is given; settings that contradict
+            each other or are out of range.
+        UnsupportedArgumentError: an unknown keyword argument (both a
+            `TypeError` and a `ValueError`).
+
+    Attributes (as in tf.keras and Keras 3): `inner_optimizer`, `dynamic`,
     `initial_scale`, `dynamic_growth_steps` (None when fixed),
-    `dynamic_counter` (the finite-step counter variable, None when fixed),
-    `loss_scale` (the current scale, a float32 tensor). Also
-    `dynamic_loss_scale`, the `DynamicLossScale` doing the work, and
-    `get_scale()`, the current scale as a Python float. Hyperparameters
-    (`learning_rate`, `use_ema`, `clipnorm`, the inner optimizer's own such
-    as `momentum`) are read from and set on the inner optimizer.
+    `dynamic_counter` and `step_counter` (the finite-step counter
+    variable), `loss_scale` (the current scale, a float32 tensor),
+    `dynamic_scale` (the variable holding it). Also `dynamic_loss_scale`,
+    the `DynamicLossScale` doing the work, and `get_scale()`, the current
+    scale as a Python float. `learning_rate`, `use_ema` and `ema_momentum`
+    are the inner optimizer's, read and set through the wrapper; any other
+    attribute is the wrapper's own (`AttributeError` if it has none).
 
-    In `model.fit`, use `MixedPrecisionModel` (whose `compile` unwraps this
-    optimizer and adopts its loss scale). `scale_loss`, the hook Keras 3's
-    own `train_step` calls, returns the loss unchanged so that a stock
-    model cannot unscale twice; there the wrapper only skips non-finite
-    steps.
+    Gradients: `apply_gradients` and `apply` take the gradients of the
+    scaled loss and unscale them, except right after
+    `get_unscaled_gradients` (tf.keras's loop), whose output they take as
+    it is. Inside a `MixedPrecisionModel`'s own `train_step`, the model's
+    optimizer is one of these sharing the model's scale; there, gradients
+    of a loss the step never scaled are not unscaled either.
 
     Example (the TF 2.x custom loop, unchanged but for the import):
 
@@ -144,23 +173,7 @@ class LossScaleOptimizer(keras.optimizers.Optimizer):
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
-        if isinstance(inner_optimizer, (keras.optimizers.LossScaleOptimizer, LossScaleOptimizer)):
-            raise TypeError(
-                "LossScaleOptimizer cannot wrap another LossScaleOptimizer, but got: "
-                f"{inner_optimizer!r}: it would scale the loss twice."
-            )
-        if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
-            raise TypeError(
-                '"inner_optimizer" must be an instance of keras.optimizers.Optimizer, '
-                f"but got: {inner_optimizer!r}."
-            )
-        if getattr(inner_optimizer, "_mp_wrapped_by_loss_scale_optimizer", False):
-            raise ValueError(
-                '"inner_optimizer" is already wrapped by a LossScaleOptimizer. An '
-                "optimizer can only be wrapped by a single LossScaleOptimizer: "
-                "two wrappers would each keep a scale and both step the same "
-                "optimizer."
-            )
+        _check_inner(inner_optimizer)
         if not isinstance(dynamic, bool):
             raise TypeError(
                 '"dynamic" argument to LossScaleOptimizer.__init__ must be a bool, '
@@ -171,82 +184,73 @@ class LossScaleOptimizer(keras.optimizers.Optimizer):
                 value = kwargs.pop(argument)
                 if value != default:
                     raise ValueError(
-                        f"LossScaleOptimizer does not take `{argument}`; set "
-                        f"{argument}={value!r} on the inner optimizer instead."
+                        f"LossScaleOptimizer does not support `{argument}`. Instead, set "
+                        f"`{argument}` on the `inner_optimizer` (received {argument}={value!r})."
                     )
         if kwargs:
-            raise TypeError(
-                "LossScaleOptimizer got unexpected keyword argument(s) "
-                f"{', '.join(map(repr, sorted(kwargs)))}."
+            raise UnsupportedArgumentError(
+                "LossScaleOptimizer does not support arguments: "
+                f"`{'`, `'.join(kwargs)}`."
             )
-        settings = {
-            "initial_scale": initial_scale,
-            "growth_interval": growth_interval,
-            "growth_factor": growth_factor,
-            "backoff_factor": backoff_factor,
-            "min_scale": min_scale,
-            "max_scale": max_scale,
-            "hysteresis": hysteresis,
-        }
-        if dynamic_growth_steps is not None:
-            if not dynamic:
-                raise ValueError(
-                    '"dynamic_growth_steps" must be None if "dynamic" is False, '
-                    f"but got: {dynamic_growth_steps!r}"
-                )
-            dynamic_growth_steps = check_int(_OWNER, "dynamic_growth_steps", dynamic_growth_steps, low=1)
-            if growth_interval is not None and growth_interval != dynamic_growth_steps:
-                raise ValueError(
-                    f"{_OWNER}: `dynamic_growth_steps` and `growth_interval` are the same "
-                    f"setting and disagree; received dynamic_growth_steps="
-                    f"{dynamic_growth_steps!r}, growth_interval={growth_interval!r}."
-                )
-            settings["growth_interval"] = dynamic_growth_steps
-        given = {key: value for key, value in settings.items() if value is not None}
-        if loss_scale is not None:
-            if given or not dynamic:
-                names = sorted(given) + ([] if dynamic else ["dynamic"])
-                raise ValueError(
-                    f"{_OWNER}: pass either `loss_scale` or the scale's settings "
-                    f"({', '.join(names)}), not both; received loss_scale={loss_scale!r} "
-                    f"with {', '.join(f'{k}={v!r}' for k, v in given.items()) or 'dynamic=False'}."
-                )
-            self_loss_scale = _loss_scale_from_argument(loss_scale)
-        elif dynamic:
-            self_loss_scale = DynamicLossScale(**given)
-        else:
-            extra = sorted(set(given) - {"initial_scale"})
-            if initial_scale is None:
-                raise ValueError(
-                    '"initial_scale" must be specified if "dynamic" is False: it is '
-                    "the fixed loss scale."
-                )
-            if extra:
-                raise ValueError(
-                    f"{_OWNER}: {', '.join(extra)} only apply to a dynamic loss scale, "
-                    "but dynamic=False."
-                )
-            self_loss_scale = DynamicLossScale.fixed(
-                check_fixed_scale(_OWNER, "initial_scale", initial_scale)
+        self_loss_scale = _loss_scale_from_settings(
+            dynamic, initial_scale, _integral(dynamic_growth_steps), loss_scale, {
+                "growth_interval": _integral(growth_interval),
+                "growth_factor": growth_factor,
+                "backoff_factor": backoff_factor,
+                "min_scale": min_scale,
+                "max_scale": max_scale,
+                "hysteresis": _integral(hysteresis),
+            },
+        )
+        # Checked after the arguments, so that a bad argument is named first.
+        if getattr(inner_optimizer, "_mp_wrapped_by_loss_scale_optimizer", False):
+            raise ValueError(
+                '"inner_optimizer" is already wrapped by a LossScaleOptimizer. An '
+                "optimizer can only be wrapped by a single LossScaleOptimizer: "
+                "two wrappers would each keep a scale and both step the same "
+                "optimizer."
             )
-        super().__init__(learning_rate=0.0, name=name)
-        if inner_optimizer.loss_scale_factor is not None:
+        self._wrap(inner_optimizer, self_loss_scale, name)
+        inner_optimizer._mp_wrapped_by_loss_scale_optimizer = True
+
+    @classmethod
+    def for_model(cls, inner_optimizer: keras.optimizers.Optimizer,
+                  loss_scale: DynamicLossScale) -> "LossScaleOptimizer":
+        """The optimizer a `MixedPrecisionModel` with its own `train_step`
+        trains through: `inner_optimizer` with the model's `loss_scale`,
+        whose state the model saves."""
+        _check_inner(inner_optimizer)
+        wrapper = cls.__new__(cls)
+        wrapper._wrap(inner_optimizer, loss_scale, "loss_scale_optimizer")
+        wrapper._saves_loss_scale = False
+        return wrapper
+
+    def _wrap(self, inner: keras.optimizers.Optimizer, loss_scale: DynamicLossScale,
+              name: str | None) -> None:
+        # Keras's LossScaleOptimizer.__init__ makes its own scale variables;
+        # this class keeps its state in the DynamicLossScale instead.
+        keras.optimizers.Optimizer.__init__(self, learning_rate=0.0, name=name)
+        if inner.loss_scale_factor is not None:
             logger.info(
                 "LossScaleOptimizer: the inner optimizer's loss_scale_factor=%r is "
                 "cleared; the loss scale is this wrapper's.",
-                inner_optimizer.loss_scale_factor,
+                inner.loss_scale_factor,
             )
-            inner_optimizer.loss_scale_factor = None
-        self.inner_optimizer = inner_optimizer
-        self.dynamic_loss_scale = self_loss_scale
-        inner_optimizer._mp_wrapped_by_loss_scale_optimizer = True
+            inner.loss_scale_factor = None
+        self.inner_optimizer = inner
+        self.dynamic_loss_scale = loss_scale
+        self._saves_loss_scale = True
+        self._built_variables: list[Any] | None = None
+        # tf.keras's warning about a forgotten scaling step: ever called?
         self._loss_has_been_scaled = False
         self._gradients_have_been_unscaled = False
-        for attribute in _DELEGATED:  # from now on read from the inner optimizer
-            self.__dict__.pop(attribute, None)
+        # Keras 3's way (scale_loss, then apply) asks for no such warning.
+        self._keras_scales_the_loss = False
+        # get_unscaled_gradients since the last apply: those are unscaled.
+        self._unscaled_since_apply = False
         self.__dict__["_mp_delegating"] = True
 
-    # ------------------------------------------- tf.keras's attributes
+    # ------------------------------------------- tf.keras's and Keras 3's attributes
     @property
     def dynamic(self) -> bool:
         """True when the loss scale is dynamic."""
@@ -266,29 +270,21 @@ class LossScaleOptimizer(keras.optimizers.Optimizer):
         return self.dynamic_loss_scale._state["good_steps"] if self.dynamic else None
 
     @property
+    def step_counter(self) -> Any:
+        """Keras 3's name for the finite-step counter."""
+        return self.dynamic_loss_scale._state["good_steps"]
+
+    @property
+    def dynamic_scale(self) -> Any:
+        """Keras 3's name for the variable holding the current scale."""
+        return self.dynamic_loss_scale._state["scale"]
+
+    @property
     def loss_scale(self) -> tf.Tensor:
         """The current loss scale, a float32 tensor (as in tf.keras)."""
         return self.dynamic_loss_scale.current_scale()
 
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for attributes the wrapper lacks: the inner
-        # optimizer's hyperparameters (momentum, beta_1, use_ema, ...).
-        inner = self.__dict__.get("inner_optimizer")
-        if inner is None or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(inner, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if self.__dict__.get("_mp_delegating") and not name.startswith("_") and (
-            name in _DELEGATED
-            or (name not in self.__dict__ and not hasattr(type(self), name)
-                and hasattr(self.__dict__["inner_optimizer"], name))
-        ):
-            setattr(self.__dict__["inner_optimizer"], name, value)
-            return
-        super().__setattr__(name, value)
-
-    # ---------------------------------------------------- the Keras 2 API
+    # ---------------------------------------------------- scaling the loss
     @tf.autograph.experimental.do_not_convert
     def get_scaled_loss(self, loss: Any) -> Any:
         """`loss` multiplied by the current scale; for a callable `loss`, a
@@ -302,53 +298,87 @@ class LossScaleOptimizer(keras.optimizers.Optimizer):
         return self.dynamic_loss_scale.scale(loss)
 
     @tf.autograph.experimental.do_not_convert
-    def get_unscaled_gradients(self, grads: Iterable[Any]) -> list[Any]:
-        """Each gradient divided by the current scale (None passes through)."""
-        self._gradients_have_been_unscaled = True
-        return self.dynamic_loss_scale.unscale(grads)
+    def scale_loss(self, loss: Any) -> Any:
+        """`loss` multiplied by the current scale (Keras 3's name, which
+        Keras's own `train_step` calls)."""
+        self._keras_scales_the_loss = True
+        return self.dynamic_loss_scale.scale(loss)
 
     @tf.autograph.experimental.do_not_convert
-    def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]], *args: Any, **kwargs: Any) -> Any:
-        """Applies *unscaled* gradients if all are finite; updates the scale.
+    def get_unscaled_gradients(self, grads: Iterable[Any]) -> list[Any]:
+        """Each gradient divided by the current scale (None passes through);
+        the next apply takes them as unscaled."""
+        self._gradients_have_been_unscaled = True
+        self._unscaled_since_apply = True
+        return self.dynamic_loss_scale._unscale(grads)
 
-        Returns the inner optimizer's iteration count, as Keras does.
+    # ------------------------------------------------------------- applying
+    @tf.autograph.experimental.do_not_convert
+    def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]], *args: Any, **kwargs: Any) -> Any:
+        """Applies the gradients unless one is not finite; updates the scale.
+
+        Gradients of the scaled loss are unscaled first; the output of
+        `get_unscaled_gradients` is taken as it is. Returns the inner
+        optimizer's iteration count, as Keras does.
         """
         self._warn_about_scaling()
         grads, variables = zip(*grads_and_vars)
-        grads, variables = list(grads), list(variables)
-        if self._gradients_have_been_unscaled and self.dynamic_loss_scale.scaling_active:
-            # get_unscaled_gradients cannot tell float8 state from gradients;
-            # their values must reach the inner optimizer as computed.
-            scale = self.dynamic_loss_scale.current_scale()
-            grads = [
-                g * tf.cast(scale, g.dtype) if g is not None and _overwrites_with_gradient(v) else g
-                for g, v in zip(grads, variables)
-            ]
-        self.apply(grads, variables)
+        self.apply(list(grads), list(variables))
         return self.iterations
 
     @tf.autograph.experimental.do_not_convert
     def apply(self, grads: Iterable[Any], trainable_variables: Iterable[Any] | None = None) -> None:
+        """Keras 3's apply: unscales `grads` (unless they come from
+        `get_unscaled_gradients`), then applies them unless one is not
+        finite. Without `trainable_variables`, the variables the optimizer
+        was built with."""
+        grads = list(grads)
         if trainable_variables is None:
-            raise ValueError(
-                "LossScaleOptimizer.apply needs `trainable_variables` alongside the gradients."
-            )
-        self.dynamic_loss_scale.apply_gradients(self.inner_optimizer, grads, trainable_variables)
+            if self._built_variables is None:
+                raise ValueError(
+                    "LossScaleOptimizer.apply: pass `trainable_variables` with the "
+                    "gradients, or build(variables) the optimizer first."
+                )
+            trainable_variables = self._built_variables
+        variables = list(trainable_variables)
+        loss_scale = self.dynamic_loss_scale
+        if self._built_variables is None:
+            self._built_variables = variables
+        if self._gradients_are_scaled():
+            grads = loss_scale._unscale(grads, variables)
+        elif self._unscaled_since_apply and loss_scale.scaling_active:
+            # get_unscaled_gradients cannot tell float8 state from gradients;
+            # their values must reach the inner optimizer as computed.
+            scale = loss_scale.current_scale()
+            grads = [
+                g * tf.cast(scale, g.dtype) if g is not None and _overwrites_with_gradient(v) else g
+                for g, v in zip(grads, variables)
+            ]
+        self._unscaled_since_apply = False
+        loss_scale.apply_gradients(self.inner_optimizer, grads, variables)
+
+    def _gradients_are_scaled(self) -> bool:
+        if self._unscaled_since_apply:
+            return False
+        record = self.dynamic_loss_scale._record
+        if record is not None:
+            # A model's own train_step: scaled only if it scaled a loss.
+            return record.loss_scaled and not record.unscaled_by_hand
+        return True
 
     def get_scale(self) -> float:
         """The current loss scale as a Python float."""
         return self.dynamic_loss_scale.get_scale()
 
-    def scale_loss(self, loss: Any) -> Any:
-        # Keras 3's stock train_step would pass scaled gradients to
-        # apply_gradients, which here takes unscaled ones: do not scale.
-        # Being asked means Keras's own fit drives this wrapper, which then
-        # only skips non-finite steps: not a forgotten scaling.
-        self._driven_by_keras_fit = True
-        return loss
+    def stateless_apply(self, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
+        raise NotImplementedError(
+            "mp_callbacks.LossScaleOptimizer runs on the TensorFlow backend, "
+            "which has no stateless_apply; use apply()."
+        )
 
     def _warn_about_scaling(self) -> None:
-        if not self.dynamic_loss_scale.scaling_active or self.__dict__.get("_driven_by_keras_fit"):
+        if (not self.dynamic_loss_scale.scaling_active or self._keras_scales_the_loss
+                or not self._saves_loss_scale or self.dynamic_loss_scale._record is not None):
             return
         if self._loss_has_been_scaled and self._gradients_have_been_unscaled:
             return
@@ -372,15 +402,17 @@ class LossScaleOptimizer(keras.optimizers.Optimizer):
             message = (
                 "You forgot to call LossScaleOptimizer.get_unscaled_gradients() "
                 "before calling LossScaleOptimizer.apply_gradients() (you did call "
-                "get_scaled_loss() however). This will likely result in worse model "
-                "quality, so please call get_unscaled_gradients() in the correct "
-                f"place! For example:{_SCALING_EXAMPLE}"
+                "get_scaled_loss() however). The gradients were unscaled here, as "
+                "Keras 3's apply_gradients does; call get_unscaled_gradients() to "
+                f"unscale them yourself. For example:{_SCALING_EXAMPLE}"
             )
         warnings.warn(message, MixedPrecisionWarning, stacklevel=3)
 
     # ------------------------------------------------------- delegation
     def build(self, var_list: list[Any]) -> None:
-        self.inner_optimizer.build(var_list)
+        self._built_variables = list(var_list)
+        if not self.inner_optimizer.built:
+            self.inner_optimizer.build(var_list)
         self.dynamic_loss_scale.build(var_list)
         self.built = True
 
@@ -400,6 +432,24 @@ class LossScaleOptimizer(keras.optimizers.Optimizer):
     def learning_rate(self, learning_rate: Any) -> None:
         if "inner_optimizer" in self.__dict__:
             self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def use_ema(self) -> bool:
+        return self.inner_optimizer.use_ema
+
+    @use_ema.setter
+    def use_ema(self, use_ema: bool) -> None:
+        if "inner_optimizer" in self.__dict__:  # Keras's __init__ sets its default first
+            self.inner_optimizer.use_ema = use_ema
+
+    @property
+    def ema_momentum(self) -> float:
+        return self.inner_optimizer.ema_momentum
+
+    @ema_momentum.setter
+    def ema_momentum(self, ema_momentum: float) -> None:
+        if "inner_optimizer" in self.__dict__:
+            self.inner_optimizer.ema_momentum = ema_momentum
 
     def finalize_variable_values(self, var_list: list[Any]) -> None:
         self.inner_optimizer.finalize_variable_values(var_list)
@@ -425,11 +475,23 @@ class LossScaleOptimizer(keras.optimizers.Optimizer):
 
     # ---------------------------------------------------- serialization
     def get_config(self) -> dict[str, Any]:
-        return {
+        """Keras 3's layout (`name`, `inner_optimizer`, `initial_scale`,
+        `dynamic_growth_steps`), plus `dynamic=False` for a fixed scale and
+        any `DynamicLossScale` setting that is not its default."""
+        config: dict[str, Any] = {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-            "loss_scale": self.dynamic_loss_scale.get_config(),
+            "initial_scale": self.initial_scale,
+            "dynamic_growth_steps": self.dynamic_growth_steps,
         }
+        if not self.dynamic:
+            config["dynamic"] = False
+            return config
+        scale_config = self.dynamic_loss_scale.get_config()
+        for key, default in _EXTRA_SETTINGS.items():
+            if scale_config[key] != default:
+                config[key] = scale_config[key]
+        return config
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> "LossScaleOptimizer":
@@ -437,18 +499,86 @@ class LossScaleOptimizer(keras.optimizers.Optimizer):
         inner = keras.saving.deserialize_keras_object(
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
+        if not config.get("dynamic", True):
+            config.pop("dynamic_growth_steps", None)  # None in a fixed scale's config
         return cls(inner, **config)
 
     def save_own_variables(self, store: Any) -> None:
-        # The inner optimizer saves its own slots as a child object.
-        for key, value in self.dynamic_loss_scale.get_state().items():
-            store[key] = value
+        # The inner optimizer saves its own slots as a child object; a
+        # model's own optimizer leaves the scale to the model.
+        if self._saves_loss_scale:
+            for key, value in self.dynamic_loss_scale.get_state().items():
+                store[key] = value
 
     def load_own_variables(self, store: Any) -> None:
+        if not self._saves_loss_scale:
+            return
         prefix = "mp_loss_scale."  # earlier releases' key names
         self.dynamic_loss_scale.set_state(
             {key[len(prefix):] if key.startswith(prefix) else key: store[key] for key in store.keys()}
         )
+
+
+def _check_inner(inner_optimizer: Any) -> None:
+    if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+        raise TypeError(
+            "LossScaleOptimizer cannot wrap another LossScaleOptimizer, but got: "
+            f"{inner_optimizer!r}: it would scale the loss twice."
+        )
+    if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            '"inner_optimizer" must be an instance of keras.optimizers.Optimizer, '
+            f"but got: {inner_optimizer!r}."
+        )
+
+
+def _loss_scale_from_settings(
+    dynamic: bool, initial_scale: Any, dynamic_growth_steps: Any, loss_scale: Any,
+    keywords: dict[str, Any],
+) -> DynamicLossScale:
+    """The DynamicLossScale that tf.keras's arguments (and the keywords)
+    describe, refusing contradictions with a message naming them."""
+    if dynamic_growth_steps is not None:
+        if not dynamic:
+            raise ValueError(
+                '"dynamic_growth_steps" must be None if "dynamic" is False, '
+                f"but got: {dynamic_growth_steps!r}"
+            )
+        dynamic_growth_steps = check_int(_OWNER, "dynamic_growth_steps", dynamic_growth_steps, low=1)
+        interval = keywords["growth_interval"]
+        if interval is not None and interval != dynamic_growth_steps:
+            raise ValueError(
+                f"{_OWNER}: `dynamic_growth_steps` and `growth_interval` are the same "
+                f"setting and disagree; received dynamic_growth_steps="
+                f"{dynamic_growth_steps!r}, growth_interval={interval!r}."
+            )
+        keywords["growth_interval"] = dynamic_growth_steps
+    settings = {"initial_scale": initial_scale, **keywords}
+    given = {key: value for key, value in settings.items() if value is not None}
+    if loss_scale is not None:
+        if given or not dynamic:
+            names = sorted(given) + ([] if dynamic else ["dynamic"])
+            raise ValueError(
+                f"{_OWNER}: pass either `loss_scale` or the scale's settings "
+                f"({', '.join(names)}), not both; received loss_scale={loss_scale!r} "
+                f"with {', '.join(f'{k}={v!r}' for k, v in given.items()) or 'dynamic=False'}."
+            )
+        return _loss_scale_from_argument(loss_scale)
+    if dynamic:
+        return DynamicLossScale(**given)
+    if initial_scale is None:
+        raise ValueError(
+            '"initial_scale" must be specified if "dynamic" is False: it is the fixed '
+            "loss scale (Keras 3 has no dynamic=False: there, set `loss_scale_factor` "
+            "on the inner optimizer instead)."
+        )
+    extra = sorted(set(given) - {"initial_scale"})
+    if extra:
+        raise ValueError(
+            f"{_OWNER}: {', '.join(extra)} only apply to a dynamic loss scale, "
+            "but dynamic=False."
+        )
+    return DynamicLossScale.fixed(check_fixed_scale(_OWNER, "initial_scale", initial_scale))
 
 
 def _loss_scale_from_argument(value: Any) -> DynamicLossScale:
@@ -458,4 +588,6 @@ def _loss_scale_from_argument(value: Any) -> DynamicLossScale:
              ValueError if isinstance(value, (str, dict)) else TypeError)
     if isinstance(value, dict):
         return DynamicLossScale.from_config(value)
-    return loss_scale_from_argument(value, owner=_OWNER)
+    result = loss_scale_from_argument(value, owner=_OWNER)
+    assert result is not None  # only "auto" gives None, refused above
+    return result

@@ -4,23 +4,31 @@ The step is the scaled-loss `tf.GradientTape` recipe of every TF 2.x guide,
 done once and done right: forward pass, `compute_loss`, scale, gradients,
 unscale, one global finiteness decision, then apply or skip. Every epoch's
 logs carry `loss_scale`, `grad_norm` and `skipped_steps`.
+
+A subclass's own `train_step` is kept just as safe: the model trains
+through a `LossScaleOptimizer` sharing its loss scale, every training step
+is recorded (`mp_callbacks._step_record`), the scale moves once at its end,
+and the step is reported in the same log keys.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
-from typing import Any
-
+from typing import Any, Callable
 
 from mp_callbacks._backend import keras, tf
 from mp_callbacks._keras_internals import (
     LossScaleSaveable,
     first_batch_of_epoch_iterator,
     functional_class,
+    init_functional,
 )
+from mp_callbacks._step_record import StepRecord
 from mp_callbacks.errors import MixedPrecisionWarning
 from mp_callbacks.loss_scale import AUTO, DynamicLossScale, loss_scale_from_argument
+from mp_callbacks.loss_scale_optimizer import LossScaleOptimizer
 from mp_callbacks.model_checks import check_model
 
 __all__ = ["MixedPrecisionModel", "LOG_KEYS"]
@@ -33,17 +41,35 @@ LOG_KEYS = ("loss_scale", "grad_norm", "skipped_steps")
 _AUTO = AUTO
 
 
-def _global_norm_float32(grads: list[Any]) -> tf.Tensor:
-    squares = []
-    for grad in grads:
-        if grad is None:
-            continue
-        if isinstance(grad, tf.IndexedSlices):
-            grad = grad.values
-        squares.append(tf.reduce_sum(tf.square(tf.cast(grad, tf.float32))))
-    if not squares:
-        return tf.constant(0.0, tf.float32)
-    return tf.sqrt(tf.add_n(squares))
+_SCALE_THE_LOSS = (
+    "add `loss = self.optimizer.scale_loss(loss)` inside the GradientTape, as Keras's "
+    "own train_step does (or, for another optimizer, `scaled_loss = "
+    "self.loss_scale.scale(loss)` there and `self.loss_scale.step(optimizer, "
+    "tape.gradient(scaled_loss, variables), variables)`)"
+)
+
+
+def _accounted(train_step: Callable) -> Callable:
+    """Runs a `train_step` as one recorded step of the model's loss scale.
+
+    The model's own step and every subclass's are run this way (a nested
+    call, `super().train_step(data)`, joins the step already open).
+    """
+    standard = getattr(train_step, "_mp_standard_step", False)
+
+    @functools.wraps(train_step)
+    def accounted_train_step(self: "MixedPrecisionModel", data: Any) -> Any:
+        loss_scale = self._loss_scale
+        if loss_scale is None or loss_scale._record is not None:
+            return train_step(self, data)
+        # The model's own step puts the forward pass's state back itself.
+        forward_state = None if standard else self._read_forward_state()
+        with loss_scale.recording() as record:
+            logs = train_step(self, data)
+            return self._finish_step(record, logs, forward_state)
+
+    accounted_train_step._mp_accounted = True  # type: ignore[attr-defined]
+    return accounted_train_step
 
 
 _FUNCTIONAL_VARIANTS: dict[type, type] = {}
@@ -120,10 +146,16 @@ class _KeptBatch:
         self.structure: Any = None
         self.variables: list[tf.Variable] | None = None
         self.step: tf.Variable | None = None
+        self.not_kept: str | None = None
 
     def pairs(self, data: Any, step: Any) -> list[tuple[Any, Any]]:
-        """(variable, value) pairs that keep `data` when assigned."""
+        """(variable, value) pairs that keep `data` when assigned; none for
+        a batch with sparse or ragged tensors, which a variable cannot hold
+        (`not_kept` then says so)."""
         flat = [t for t in tf.nest.flatten(data) if t is not None]
+        if any(isinstance(t, (tf.SparseTensor, tf.RaggedTensor)) for t in flat):
+            self.not_kept = "its inputs are sparse or ragged tensors, which are not kept"
+            return []
         if self.variables is None:
             with tf.init_scope():
                 self.variables = [
@@ -168,7 +200,8 @@ class _EpochSignals:
 class MixedPrecisionModel(keras.Model):
     """A Keras model that does loss scaling in its own `train_step`.
 
-    Build it functionally, subclass it, or bring in an existing model with
+    Build it functionally, subclass it (with your own `call`, or your own
+    graph built in `__init__`), or bring in an existing model with
     `MixedPrecisionModel.from_model(model)`.
 
     Args:
@@ -182,11 +215,22 @@ class MixedPrecisionModel(keras.Model):
     `compile` never scales twice: a `keras.mixed_precision.LossScaleOptimizer`
     passed to it (the TF 2.x recipe) is unwrapped, its initial scale and
     growth steps taken over when `loss_scale="auto"`, and Keras's automatic
-    wrapping under `mixed_float16` is turned off.
+    wrapping under `mixed_float16` is turned off. `auto_scale_loss=False`
+    means no scaling, as in Keras (non-finite steps are still skipped).
 
     Training logs gain `loss_scale` (current scale), `grad_norm` (mean global
-    norm of the unscaled gradients over the epoch's applied steps) and
-    `skipped_steps` (steps skipped in the epoch).
+    norm of the unscaled gradients over the epoch's applied steps; NaN for
+    an epoch without one) and `skipped_steps` (steps skipped in the epoch).
+
+    Your own `train_step` (a GAN, a VAE, a custom loss) is kept as safe:
+    `self.optimizer` is then a `LossScaleOptimizer` sharing the model's
+    loss scale, so a non-finite update is never applied through it, and
+    each step is reported in the same log keys. To scale the loss, add
+    `loss = self.optimizer.scale_loss(loss)` inside the tape (Keras 3's
+    spelling; tf.keras's `get_scaled_loss` / `get_unscaled_gradients` work
+    too), or, for other optimizers, `self.loss_scale.scale(loss)` and
+    `self.loss_scale.step(optimizer, grads, variables)`. The scale moves
+    once per training step, whatever the number of optimizers.
 
     Example:
 
@@ -207,6 +251,12 @@ class MixedPrecisionModel(keras.Model):
     ```
     """
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own_step = cls.__dict__.get("train_step")
+        if own_step is not None and not getattr(own_step, "_mp_accounted", False):
+            cls.train_step = _accounted(own_step)
+
     def __new__(cls, *args: Any, **kwargs: Any) -> "MixedPrecisionModel":  # pragma: no mutate block
         if _is_functional_call(args, kwargs) and not issubclass(cls, functional_class()):
             cls = _functional_variant(cls)
@@ -214,11 +264,23 @@ class MixedPrecisionModel(keras.Model):
 
     # Keras reads this signature (auto-config): mutation trampolines would hide it.
     def __init__(self, *args: Any, loss_scale: Any = _AUTO, **kwargs: Any) -> None:  # pragma: no mutate block
-        super().__init__(*args, **kwargs)
+        if _is_functional_call(args, kwargs):
+            # Also for a subclass that builds its graph in __init__ and calls
+            # super().__init__(inputs=..., outputs=...), which __new__ saw
+            # without arguments.
+            if not isinstance(self, functional_class()):
+                self.__class__ = _functional_variant(type(self))
+            init_functional(self, args, kwargs)
+        else:
+            super().__init__(*args, **kwargs)
         self._loss_scale = loss_scale_from_argument(loss_scale)
+        # Who chose the loss scale: the user, or compile ("auto", or no
+        # scaling for auto_scale_loss=False), which may choose again.
+        self._loss_scale_chosen_by = "user" if self._loss_scale is not None else None
         self._epoch_signals = _EpochSignals()
         self._kept_batch = _KeptBatch()
         self._checked_model = False
+        self._warned_unscaled_step = False
 
     # ------------------------------------------------------------ creation
     @classmethod
@@ -227,20 +289,31 @@ class MixedPrecisionModel(keras.Model):
     ) -> "MixedPrecisionModel":
         """Wraps an existing Sequential or functional model.
 
-        The new model shares the original's layers and weights. If the
-        original was compiled, the new one is compiled with the same
-        optimizer object, losses and metrics.
+        The new model shares the original's layers and weights, and takes
+        its inputs and outputs in the same structure (a single input stays
+        a single tensor). If the original was compiled, the new one is
+        compiled with the same optimizer object, losses and metrics.
 
         Args:
             model: a built `keras.Sequential` or functional `keras.Model`.
-            loss_scale: as for `MixedPrecisionModel`.
+            loss_scale: as for `MixedPrecisionModel`. Defaults to "auto".
             **kwargs: passed to the constructor (for example `name`).
+
+        Returns:
+            The new `MixedPrecisionModel`.
+
+        Raises:
+            ValueError: `model` has no known inputs and outputs (a
+                subclassed model: subclass `MixedPrecisionModel` instead).
         """
         try:
-            inputs, outputs = model.inputs, model.outputs
-        except (AttributeError, ValueError):
+            if isinstance(model, keras.Sequential):  # one input, one output
+                inputs, outputs = model.inputs[0], model.outputs[0]
+            else:
+                inputs, outputs = model.input, model.output
+        except (AttributeError, ValueError, IndexError, TypeError):
             inputs = outputs = None
-        if not inputs or not outputs:
+        if inputs is None or outputs is None or not tf.nest.flatten(inputs):
             raise ValueError(
                 "MixedPrecisionModel.from_model needs a model with known inputs "
                 "and outputs (a functional model, or a Sequential that starts "
@@ -276,16 +349,24 @@ class MixedPrecisionModel(keras.Model):
             return DynamicLossScale()
         return DynamicLossScale.disabled()
 
+    def _overrides_train_step(self) -> bool:
+        return type(self).train_step is not MixedPrecisionModel.train_step
+
     def set_loss_scale(self, loss_scale: Any) -> None:
         """Replaces the loss scale (same values as the `loss_scale`
         argument), for example between keras-tuner trials. Training resumes
         from the new object's state; the next `fit` retraces."""
         self._loss_scale = loss_scale_from_argument(loss_scale)
+        self._loss_scale_chosen_by = "user" if self._loss_scale is not None else None
         if self._loss_scale is None and self.compiled:
             self._loss_scale = self._auto_loss_scale()
+            self._loss_scale_chosen_by = "auto"
         if self._loss_scale is not None and self.built:
             with self.distribute_strategy.scope():
                 self._loss_scale.build(self.trainable_variables)
+        optimizer = getattr(self, "optimizer", None)
+        if isinstance(optimizer, LossScaleOptimizer) and not optimizer._saves_loss_scale:
+            optimizer.dynamic_loss_scale = self._loss_scale
         self.train_function = None
 
     def get_loss_scale(self) -> float:
@@ -299,10 +380,16 @@ class MixedPrecisionModel(keras.Model):
 
         Returns `((x, y, sample_weight), step)` as NumPy values, `step`
         counting the loss scale's steps from 0, or None when no step has
-        been skipped (or under a `tf.distribute` strategy or
-        `jit_compile=True`, where batches are not kept). `diagnose_batch(model, *batch)` replays it.
+        been skipped (or under a `tf.distribute` strategy, with
+        `jit_compile=True`, with your own `train_step`, or for sparse or
+        ragged inputs, where batches are not kept: `kept_batch_note()`
+        says why). `diagnose_batch(model, *batch)` replays it.
         """
         return self._kept_batch.read()
+
+    def kept_batch_note(self) -> str | None:
+        """Why the last skipped step's batch could not be kept, or None."""
+        return self._kept_batch.not_kept
 
     def nonfinite_gradient_counts(self) -> dict[str, int]:
         """Steps with a non-finite gradient so far, per trainable variable.
@@ -319,19 +406,17 @@ class MixedPrecisionModel(keras.Model):
     def compile(self, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> None:
         """As `keras.Model.compile`, with one loss scale guaranteed.
 
-        `auto_scale_loss` is always turned off (this model scales the loss
-        itself); a `LossScaleOptimizer` (Keras's or mp_callbacks') is
-        unwrapped; a `loss_scale_factor`
-        set on the optimizer becomes a fixed loss scale. The first compile
-        runs `mp_callbacks.check_model` and warns once about what it finds.
+        The model scales the loss itself, so Keras's own wrapping is always
+        off; `auto_scale_loss=False` means no scaling (as in Keras) unless
+        the model was given a `loss_scale`. A `LossScaleOptimizer`
+        (Keras's or mp_callbacks') is unwrapped and its loss scale adopted;
+        a `loss_scale_factor` set on the optimizer becomes a fixed loss
+        scale. A model with its own `train_step` then trains through a
+        `LossScaleOptimizer` sharing the model's scale (`self.optimizer`).
+        The first compile runs `mp_callbacks.check_model` and warns once
+        about what it finds.
         """
-        if kwargs.pop("auto_scale_loss", False):
-            logger.info(
-                "MixedPrecisionModel scales the loss itself; "
-                "auto_scale_loss=True is ignored."
-            )
-        from mp_callbacks.loss_scale_optimizer import LossScaleOptimizer
-
+        auto_scale_loss = kwargs.pop("auto_scale_loss", True)
         optimizer = keras.optimizers.get(optimizer)
         adopted = None
         if isinstance(optimizer, LossScaleOptimizer):
@@ -347,19 +432,33 @@ class MixedPrecisionModel(keras.Model):
             adopted = DynamicLossScale.fixed(float(optimizer.loss_scale_factor))
             optimizer.loss_scale_factor = None
         if adopted is not None:
-            if self._loss_scale is None:
+            if self._loss_scale_chosen_by != "user":
                 self._loss_scale = adopted
+                self._loss_scale_chosen_by = "user"
                 logger.info("MixedPrecisionModel adopted %r from compile().", adopted)
-            else:
+            elif adopted is not self._loss_scale:
                 logger.info(
                     "MixedPrecisionModel keeps its loss scale %r; the one "
                     "given to compile() (%r) is not applied on top.",
                     self._loss_scale,
                     adopted,
                 )
+        elif self._loss_scale_chosen_by == "user" and not auto_scale_loss:
+            logger.info(
+                "MixedPrecisionModel keeps its loss scale %r: auto_scale_loss=False "
+                "only turns off loss_scale='auto'.", self._loss_scale,
+            )
         super().compile(optimizer, *args, auto_scale_loss=False, **kwargs)
-        if self._loss_scale is None:
-            self._loss_scale = self._auto_loss_scale()
+        if self._loss_scale_chosen_by != "user":
+            choice = "auto" if auto_scale_loss else "off"
+            if self._loss_scale is None or self._loss_scale_chosen_by != choice:
+                self._loss_scale = (self._auto_loss_scale() if auto_scale_loss
+                                    else DynamicLossScale.disabled())
+                self._loss_scale_chosen_by = choice
+        if self._overrides_train_step():
+            # Your own train_step applies through self.optimizer: never a
+            # non-finite update, and the loss scale in reach (scale_loss).
+            self.optimizer = LossScaleOptimizer.for_model(self.optimizer, self._loss_scale)
         if self.built:
             self._loss_scale.build(self.trainable_variables)
             # Built now rather than at the first fit, so that load_weights
@@ -395,11 +494,27 @@ class MixedPrecisionModel(keras.Model):
             self._loss_scale.build(self.trainable_variables)
         return super().make_train_function(force=force)
 
+    def compute_loss(self, x: Any = None, y: Any = None, y_pred: Any = None,
+                     sample_weight: Any = None, training: bool = True) -> Any:
+        """As `keras.Model.compute_loss`; inside a training step, the loss
+        is also noted as one the step's updates come from (a non-finite
+        one is divergence for `NaNGradientMonitor`)."""
+        loss = super().compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                    training=training)
+        record = None if self._loss_scale is None else self._loss_scale._record
+        if record is not None and training:
+            record.note_loss(loss)
+        return loss
+
     # ---------------------------------------------------------------- steps
     def train_step(self, data: Any) -> dict[str, Any]:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         loss_scale = self._loss_scale
         num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        record = loss_scale._record
+        # Keras divides the loss by the replica count under tf.distribute:
+        # the reported norm is each replica's own.
+        record.norm_factor = num_replicas
 
         # The forward pass updates some state itself (BatchNormalization's
         # moving statistics, RNG seeds): read it first, so that a skipped
@@ -425,19 +540,11 @@ class MixedPrecisionModel(keras.Model):
         if not variables:
             logger.warning("The model does not have any trainable weights.")
             # Nothing to apply is not a skipped step: no overflow happened.
-            applied = tf.constant(True)
-            grad_norm = tf.constant(0.0)
+            record.note_apply(tf.constant(True), tf.constant(0.0))
         else:
-            grads = loss_scale.unscale(tape.gradient(scaled_loss, variables), variables)
-            # One pass over the gradients gives both finiteness and the norm
-            # (float8 state variables' "gradients" are values: not counted).
+            grads = loss_scale._unscale(tape.gradient(scaled_loss, variables), variables)
+            # One pass over the gradients gives both finiteness and the norm.
             checked = loss_scale.check_gradients(grads)
-            overwrite = [bool(getattr(v, "overwrite_with_gradient", False)) for v in variables]
-            grad_norm = checked.global_norm if not any(overwrite) else _global_norm_float32(
-                [g for g, skip in zip(grads, overwrite) if not skip]
-            )
-            if num_replicas > 1:
-                grad_norm = grad_norm * num_replicas
             restore = list(zip(forward_state, state_before))
             # XLA cannot reshape a variable, and under tf.distribute each
             # replica has its own shard: the batch is kept only where a
@@ -448,23 +555,67 @@ class MixedPrecisionModel(keras.Model):
                 restore += self._kept_batch.pairs(
                     (x, y, sample_weight), loss_scale._state["step_count"].read_value()
                 )
-            applied = loss_scale.apply_gradients(
+            loss_scale.apply_gradients(
                 self.optimizer, grads, variables, loss=loss, restore_on_skip=restore,
                 checked=checked,
             )
+        return dict(self.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
+
+    train_step._mp_standard_step = True  # type: ignore[attr-defined]
+    train_step = _accounted(train_step)
+
+    def _read_forward_state(self) -> list[tuple[Any, Any]]:
+        """(variable, value) for the state a forward pass may change, read
+        before your own train_step runs."""
+        return [(v, tf.identity(v.value)) for v in self.non_trainable_variables]
+
+    def _finish_step(self, record: StepRecord, logs: Any,
+                     forward_state: list[tuple[Any, Any]] | None) -> Any:
+        """Ends a recorded step: one state update, the forward pass's state
+        put back if an update was skipped, and the step in the logs."""
+        loss_scale = self._loss_scale
+        loss_scale.finish_step(record)
+        standard = forward_state is None
+        if not record.loss_scaled and not standard:
+            self._warn_unscaled_step()
+        if not record.stepped:
+            return logs
+        applied = record.all_applied()
+        if forward_state:
+            loss_scale._restore_if_skipped(applied, forward_state)
         signals = self._epoch_signals
         signals.grad_norm.update_state(
-            tf.where(applied, grad_norm, 0.0),
+            tf.where(applied, record.global_norm(), 0.0),
             sample_weight=tf.cast(applied, tf.float32),
         )
         signals.skipped_steps.update_state(1.0 - tf.cast(applied, tf.float32))
-
-        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        if not isinstance(logs, dict):
+            return logs
         logs = dict(logs)
-        logs["loss_scale"] = loss_scale.current_scale()
-        logs["grad_norm"] = signals.grad_norm.result()
-        logs["skipped_steps"] = signals.skipped_steps.result()
+        if standard or record.loss_scaled:
+            logs.setdefault("loss_scale", loss_scale.current_scale())
+        # An epoch without an applied step has no gradient norm (0 would
+        # read as vanishing gradients).
+        logs.setdefault("grad_norm", tf.where(
+            signals.grad_norm.count > 0, signals.grad_norm.result(), float("nan")
+        ))
+        logs.setdefault("skipped_steps", signals.skipped_steps.result())
         return _for_multi_worker_reduction(logs)
+
+    def _warn_unscaled_step(self) -> None:
+        if self._warned_unscaled_step or not self._loss_scale.scaling_active:
+            return
+        if not self._computes_in_float16():
+            return
+        self._warned_unscaled_step = True
+        warnings.warn(
+            f"{type(self).__name__}.train_step never scales its loss, but {self.name!r} "
+            "computes in float16: small gradients underflow to zero. To scale it, "
+            f"{_SCALE_THE_LOSS}. Non-finite updates through self.optimizer are skipped "
+            "either way.",
+            MixedPrecisionWarning,
+            stacklevel=2,
+        )
 
     def test_step(self, data: Any) -> dict[str, Any]:
         return _for_multi_worker_reduction(super().test_step(data))

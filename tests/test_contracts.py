@@ -181,20 +181,22 @@ def test_callable_loss_is_scaled_lazily():
     assert callable(scaled) and float(scaled()) == 24.0
 
 
-def test_hyperparameters_pass_through_the_wrapper():
+def test_learning_rate_and_ema_pass_through_the_wrapper_and_nothing_else():
+    # tf.keras's LossScaleOptimizerV3: learning_rate, use_ema and
+    # ema_momentum are the inner optimizer's; other attributes are not.
     inner = keras.optimizers.SGD(0.1, momentum=0.5)
     optimizer = LossScaleOptimizer(inner)
     assert float(optimizer.learning_rate) == pytest.approx(0.1)
     optimizer.learning_rate = 0.25
     assert float(inner.learning_rate) == 0.25
-    assert optimizer.momentum == 0.5
-    optimizer.momentum = 0.75
-    assert inner.momentum == 0.75
     assert optimizer.use_ema is False
     optimizer.use_ema = True
-    assert inner.use_ema is True
-    optimizer.clipnorm = 1.0
-    assert inner.clipnorm == 1.0 and optimizer.clipnorm == 1.0
+    optimizer.ema_momentum = 0.88
+    assert inner.use_ema is True and inner.ema_momentum == 0.88
+    with pytest.raises(AttributeError, match="nesterov"):
+        optimizer.nesterov
+    optimizer.nesterov = True
+    assert optimizer.nesterov is True and inner.nesterov is False
 
 
 def test_an_overridden_apply_gradients_is_honoured():
