@@ -24,7 +24,7 @@ from mp_callbacks._backend import package_version as _package_version
 from mp_callbacks.diagnosis import PrecisionReport, diagnose_batch
 from mp_callbacks.epoch_timer import EpochTimer
 from mp_callbacks.float32_layers import with_float32_layers
-from mp_callbacks.errors import MixedPrecisionWarning, NonFiniteGradientError
+from mp_callbacks.errors import MixedPrecisionWarning, NonFiniteGradientError, UnsupportedArgumentError
 from mp_callbacks.hardware import POLICIES, inspect_hardware, recommend_policy
 from mp_callbacks.headroom_monitor import HeadroomMonitor
 from mp_callbacks.loss_scale import DynamicLossScale
@@ -50,6 +50,7 @@ __all__ = [
     "MixedPrecisionWarning",
     "NaNGradientMonitor",
     "NonFiniteGradientError",
+    "UnsupportedArgumentError",
     "MixedPrecisionModel",
     "LOG_KEYS",
     "POLICIES",

@@ -243,15 +243,16 @@ def _writes_only_through(graph: Any, ours: set[str], counter_handle: str) -> boo
     return True
 
 
-def _writes_are_kerass_own(cls: type) -> bool:
-    """An optimizer that overrides `assign`, `assign_add` or `assign_sub`
-    may write something else than the value it is given (a gated zero
-    included): only Keras's own write methods are known to be neutral."""
+def _writes_are_kerass_own(optimizer: Any) -> bool:
+    """An optimizer that overrides `assign`, `assign_add` or `assign_sub`,
+    in its class or on the instance (a test's mock), may write something
+    else than the value it is given (a gated zero included): only Keras's
+    own write methods are known to be neutral."""
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
-    return all(
-        getattr(cls, name) is getattr(TFOptimizer, name)
-        for name in ("assign", "assign_add", "assign_sub")
+    names = ("assign", "assign_add", "assign_sub")
+    return not any(name in vars(optimizer) for name in names) and all(
+        getattr(type(optimizer), name) is getattr(TFOptimizer, name) for name in names
     )
 
 
@@ -278,7 +279,7 @@ def gated_apply(
     """
     if tf.executing_eagerly() or not isinstance(optimizer, keras.optimizers.Optimizer):
         return False  # eagerly, a tf.cond costs nothing: it is a Python if
-    if not _writes_are_kerass_own(type(optimizer)):
+    if not _writes_are_kerass_own(optimizer):
         return False
     ours: set[str] = set()
     counter_handle: dict[str, str] = {}

@@ -13,7 +13,7 @@ from typing import Any
 from mp_callbacks._backend import keras
 from mp_callbacks.loss_scale import DynamicLossScale
 
-__all__ = ["LossScaleSource", "read_variable"]
+__all__ = ["LossScaleSource", "find_loss_scale", "read_variable"]
 
 
 def read_variable(variable: Any) -> Any:
@@ -23,16 +23,44 @@ def read_variable(variable: Any) -> Any:
     return value.numpy() if hasattr(value, "numpy") else variable.numpy()
 
 
+def _held_scale(value: Any) -> DynamicLossScale | None:
+    if isinstance(value, DynamicLossScale):
+        return value
+    held = getattr(value, "dynamic_loss_scale", None)  # mp_callbacks.LossScaleOptimizer
+    return held if isinstance(held, DynamicLossScale) else None
+
+
+def find_loss_scale(model: Any) -> DynamicLossScale | None:
+    """The `DynamicLossScale` a model trains with, wherever it is kept:
+    `model.loss_scale` (a `MixedPrecisionModel`'s), the model's
+    `mp_callbacks.LossScaleOptimizer`, or any attribute of the model that
+    holds one (a hand-written `train_step`'s `self.scaler`, or an
+    optimizer attribute such as `self.d_optimizer`), in name order."""
+    for candidate in (getattr(model, "loss_scale", None), getattr(model, "optimizer", None)):
+        found = _held_scale(candidate)
+        if found is not None:
+            return found
+    for name in sorted(vars(model)):
+        if name.startswith("__"):
+            continue
+        found = _held_scale(vars(model)[name])
+        if found is not None:
+            return found
+    return None
+
+
 @dataclass
 class LossScaleSource:
     """Where a model's loss scale lives.
 
     Attributes:
-        kind: `"mp"` (a `DynamicLossScale`: a `MixedPrecisionModel`, or a
-            stock model compiled with `mp_callbacks.LossScaleOptimizer`),
-            `"keras"` (Keras's own `LossScaleOptimizer`) or `"none"`.
+        kind: `"mp"` (a `DynamicLossScale` that scales the loss: see
+            `find_loss_scale`), `"keras"` (Keras's own `LossScaleOptimizer`)
+            or `"none"`.
         loss_scale: the `DynamicLossScale` driving the steps, also when it
-            does not scale (it still counts and skips non-finite steps).
+            does not scale (it still counts and skips non-finite steps),
+            for example a `train_step` of your own that never scales its
+            loss.
         optimizer: Keras's `LossScaleOptimizer` for kind `"keras"`.
     """
 
@@ -42,11 +70,9 @@ class LossScaleSource:
 
     @classmethod
     def of(cls, model: Any) -> "LossScaleSource":
-        loss_scale = getattr(model, "loss_scale", None)
-        if not isinstance(loss_scale, DynamicLossScale):
-            loss_scale = getattr(getattr(model, "optimizer", None), "dynamic_loss_scale", None)
-        if isinstance(loss_scale, DynamicLossScale):
-            return cls("mp" if loss_scale.scaling_active else "none", loss_scale=loss_scale)
+        loss_scale = find_loss_scale(model)
+        if loss_scale is not None:
+            return cls("mp" if loss_scale.scales_losses else "none", loss_scale=loss_scale)
         optimizer = getattr(model, "optimizer", None)
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             return cls("keras", optimizer=optimizer)

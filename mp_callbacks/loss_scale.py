@@ -113,8 +113,8 @@ STATE_VARIABLES = (
     ),
     _StateVariable(
         "calibration_steps", tf.int64,
-        "skipped steps before the first applied one: a dynamic scale calibrating "
-        "down from initial_scale",
+        "overflowing steps before the first applied one, with a finite loss: a "
+        "dynamic scale calibrating down from initial_scale",
     ),
 )
 _COUNTERS = tuple(v.name for v in STATE_VARIABLES if v.dtype == tf.int64)
@@ -947,12 +947,14 @@ class DynamicLossScale(tf.Module):
             "skipped": tf.constant(1, tf.int64),
             "divergent": tf.logical_or(loss_diverged, scale <= self.min_scale),
         }
-        # Overflows before any step was applied: a dynamic scale finding its
-        # level from initial_scale, which every dynamic scaler does at first.
+        # Overflows before any step was applied, with a finite loss and room
+        # to back off: a dynamic scale finding its level from initial_scale,
+        # which every dynamic scaler does at first (not bad data).
         if self.is_dynamic:
-            if_overflow["calibration"] = tf.cast(
-                tf.equal(state["step_count"], state["skipped_steps"]), tf.int64
-            )
+            if_overflow["calibration"] = tf.cast(tf.logical_and(
+                tf.equal(state["step_count"], state["skipped_steps"]),
+                tf.logical_and(tf.logical_not(loss_diverged), scale > self.min_scale),
+            ), tf.int64)
         lowest = state["lowest_scale"].read_value()
         run = state["divergent_run"].read_value()
         max_run = state["max_divergent_run"].read_value()

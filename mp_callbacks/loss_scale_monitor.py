@@ -30,16 +30,23 @@ class LossScaleMonitor(ConfigCopyMixin, keras.callbacks.Callback):
 
     Puts `loss_scale` in every epoch's logs (so `History`, `CSVLogger`,
     `TensorBoard` and keras-tuner objectives placed after it see it), and
-    `skipped_steps` too when the model does not report it already (a stock
-    model with Keras's `LossScaleOptimizer`). Works with
-    `MixedPrecisionModel` and with a stock `keras.Model` whose optimizer is a
-    `keras.mixed_precision.LossScaleOptimizer`; with neither, it reports 1.0
-    and logs once that no loss scaling is active.
+    `skipped_steps` too when the model does not report it already. Works
+    with `MixedPrecisionModel` (its own `train_step` or yours), with any
+    model whose hand-written `train_step` keeps a `DynamicLossScale` in an
+    attribute (whatever its name) or trains through
+    `mp_callbacks.LossScaleOptimizer`, and with a stock `keras.Model` whose
+    optimizer is Keras's `LossScaleOptimizer`. Where no loss is scaled
+    (also a `train_step` that never calls the scale) it reports 1.0 and
+    logs once that no loss scaling is active.
 
     Warns (`MixedPrecisionWarning`) when the scale collapses (reaches its
     minimum, or falls below `collapse_threshold`) and when more than
     `max_skipped_fraction` of an epoch's steps were skipped; each warning
-    says what to try.
+    says what to try. Both read the loss scale's own counters, whoever
+    calls it. The skips of a dynamic scale calibrating down from its
+    `initial_scale` before the first applied step (as every dynamic scaler
+    does at first) are not counted toward the fraction; `history` still
+    has their scales.
 
     Args:
         every_n_steps: also record the scale every N training steps (one
@@ -105,6 +112,8 @@ class LossScaleMonitor(ConfigCopyMixin, keras.callbacks.Callback):
         self._steps_before_epoch = 0
         self._last_recorded_step = 0
         self._collapsed = False  # pragma: no mutate (None would do as well)
+        self._told_inactive = False
+        self._counters_at_epoch_start: dict[str, Any] = {}
         # Set again by on_epoch_begin before any use: placeholders.
         self._epoch_steps = 0  # pragma: no mutate
         self._lowest_scale = math.inf  # pragma: no mutate
@@ -121,20 +130,15 @@ class LossScaleMonitor(ConfigCopyMixin, keras.callbacks.Callback):
     # ------------------------------------------------------------- hooks
     def on_train_begin(self, logs=None):
         self._reset(LossScaleSource.of(self.model))
-        if self._source.kind == "mp":
+        if self._source.loss_scale is not None:
             self._source.loss_scale.reset_lowest_scale()
-        if not self._source.active:
-            logger.info(
-                "LossScaleMonitor: no loss scaling is active for model %r "
-                "(dtype policy %s); loss_scale is reported as 1.0.",
-                self.model.name,
-                self.model.dtype_policy.name,
-            )
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
         self._epoch_steps = 0
         self._lowest_scale = math.inf
+        if self._source.loss_scale is not None:
+            self._counters_at_epoch_start = self._source.loss_scale.diagnostics()
         if self._source.kind == "keras":
             self._iterations_at_epoch_start = int(read_variable(self.model.optimizer.iterations))
 
@@ -148,6 +152,16 @@ class LossScaleMonitor(ConfigCopyMixin, keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         logs = logs if logs is not None else {}
+        # Whether the loss is scaled is known once the step has been traced.
+        self._source = LossScaleSource.of(self.model)
+        if not self._source.active and not self._told_inactive:
+            self._told_inactive = True
+            logger.info(
+                "LossScaleMonitor: no loss scaling is active for model %r "
+                "(dtype policy %s); loss_scale is reported as 1.0.",
+                self.model.name,
+                self.model.dtype_policy.name,
+            )
         step = self._steps_before_epoch + self._epoch_steps
         if self.history and self.history[-1]["step"] == step and self._epoch_steps:
             scale = self.history[-1]["loss_scale"]  # recorded at this very step
@@ -155,12 +169,12 @@ class LossScaleMonitor(ConfigCopyMixin, keras.callbacks.Callback):
             scale = self._record(step)
         # The model's own entry is exact; never overwrite it.
         logs.setdefault("loss_scale", scale)
-        if "skipped_steps" not in logs and self._source.kind == "keras":
-            applied = int(read_variable(self.model.optimizer.iterations)) - self._iterations_at_epoch_start
-            logs["skipped_steps"] = float(max(self._epoch_steps - applied, 0))
+        skipped, steps, calibration = self._epoch_skips(logs)
+        if "skipped_steps" not in logs and skipped is not None:
+            logs["skipped_steps"] = float(skipped)
         self._steps_before_epoch = step
         self._check_collapse(epoch, scale, self._lowest_scale)
-        self._check_skipped(epoch, logs.get("skipped_steps"))
+        self._check_skipped(epoch, skipped, steps, calibration)
 
     # ------------------------------------------------------------ helpers
     def _record(self, step: int) -> float:
@@ -207,14 +221,41 @@ class LossScaleMonitor(ConfigCopyMixin, keras.callbacks.Callback):
             )
         self._collapsed = collapsed_at(scale)
 
-    def _check_skipped(self, epoch: int, skipped: Any) -> None:
-        if skipped is None or not self._epoch_steps:
+    def _epoch_skips(self, logs: dict) -> tuple[float | None, int, int]:
+        """(steps skipped, steps taken, skips while calibrating) this epoch,
+        from the loss scale's own counters where there is one."""
+        loss_scale = self._source.loss_scale
+        if loss_scale is not None and self._counters_at_epoch_start:
+            now, start = loss_scale.diagnostics(), self._counters_at_epoch_start
+            # Calibration is over only once a step applied; until then the
+            # skips may be a scale that never finds a level: counted.
+            calibrated = now["step_count"] > now["skipped_steps"]
+            calibration = now["calibration_steps"] - start["calibration_steps"] if calibrated else 0
+            return (float(now["skipped_steps"] - start["skipped_steps"]),
+                    now["step_count"] - start["step_count"], calibration)
+        if self._source.kind == "keras":
+            applied = int(read_variable(self.model.optimizer.iterations)) - self._iterations_at_epoch_start
+            return float(max(self._epoch_steps - applied, 0)), self._epoch_steps, 0
+        skipped = logs.get("skipped_steps")
+        return (None if skipped is None else float(skipped)), self._epoch_steps, 0
+
+    def _check_skipped(self, epoch: int, skipped: float | None, steps: int, calibration: int) -> None:
+        if skipped is None or not steps:
             return
-        fraction = float(skipped) / self._epoch_steps
+        if calibration:
+            logger.info(
+                "LossScaleMonitor: %d step(s) of epoch %d were skipped while the loss scale "
+                "came down from its initial_scale (%g) to fit the gradients; not counted "
+                "toward max_skipped_fraction.",
+                calibration, epoch + 1, self._source.loss_scale.initial_scale,
+            )
+        counted = skipped - calibration
+        fraction = counted / steps
         if fraction > self.max_skipped_fraction:
+            also = f" (and {calibration} more while the scale calibrated)" if calibration else ""
             warnings.warn(
-                f"{float(skipped):g} of {self._epoch_steps} steps ({fraction:.0%}) "
-                f"were skipped in epoch {epoch + 1} because their gradients were "
+                f"{counted:g} of {steps} steps ({fraction:.0%}) "
+                f"were skipped in epoch {epoch + 1}{also} because their gradients were "
                 f"non-finite (limit {self.max_skipped_fraction:.0%}). Try: a lower "
                 "initial loss scale or hysteresis=2 (DynamicLossScale(initial_scale="
                 f"..., hysteresis=2)); {_ADVICE}.",

@@ -240,6 +240,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.inner_optimizer = inner
         self.dynamic_loss_scale = loss_scale
         self._saves_loss_scale = True
+        # A model's optimizer is saved in weights files as its inner one.
+        self._saved_as_inner = False
         self._built_variables: list[Any] | None = None
         # tf.keras's warning about a forgotten scaling step: ever called?
         self._loss_has_been_scaled = False
@@ -503,15 +505,25 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             config.pop("dynamic_growth_steps", None)  # None in a fixed scale's config
         return cls(inner, **config)
 
+    def __dir__(self) -> list[str]:
+        # Keras's weights files walk dir(): a MixedPrecisionModel's
+        # optimizer writes its inner optimizer's variables as its own, so
+        # that the files have a plain optimizer's layout whether or not the
+        # model wraps it (earlier files, and the same model in bfloat16).
+        names = super().__dir__()
+        return [n for n in names if n != "inner_optimizer"] if self._saved_as_inner else names
+
     def save_own_variables(self, store: Any) -> None:
-        # The inner optimizer saves its own slots as a child object; a
-        # model's own optimizer leaves the scale to the model.
-        if self._saves_loss_scale:
-            for key, value in self.dynamic_loss_scale.get_state().items():
-                store[key] = value
+        if self._saved_as_inner:  # the model saves the loss scale itself
+            keras.optimizers.Optimizer.save_own_variables(self, store)
+            return
+        # The inner optimizer saves its own slots as a child object.
+        for key, value in self.dynamic_loss_scale.get_state().items():
+            store[key] = value
 
     def load_own_variables(self, store: Any) -> None:
-        if not self._saves_loss_scale:
+        if self._saved_as_inner:
+            keras.optimizers.Optimizer.load_own_variables(self, store)
             return
         prefix = "mp_loss_scale."  # earlier releases' key names
         self.dynamic_loss_scale.set_state(

@@ -257,17 +257,12 @@ class MixedPrecisionModel(keras.Model):
         if own_step is not None and not getattr(own_step, "_mp_accounted", False):
             cls.train_step = _accounted(own_step)
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "MixedPrecisionModel":  # pragma: no mutate block
-        if _is_functional_call(args, kwargs) and not issubclass(cls, functional_class()):
-            cls = _functional_variant(cls)
-        return super().__new__(cls, *args, **kwargs)
-
     # Keras reads this signature (auto-config): mutation trampolines would hide it.
     def __init__(self, *args: Any, loss_scale: Any = _AUTO, **kwargs: Any) -> None:  # pragma: no mutate block
         if _is_functional_call(args, kwargs):
-            # Also for a subclass that builds its graph in __init__ and calls
-            # super().__init__(inputs=..., outputs=...), which __new__ saw
-            # without arguments.
+            # The arguments that reach here decide, as in keras.Model (not
+            # a subclass's own constructor arguments, such as a VAE's
+            # encoder and decoder).
             if not isinstance(self, functional_class()):
                 self.__class__ = _functional_variant(type(self))
             init_functional(self, args, kwargs)
@@ -349,6 +344,10 @@ class MixedPrecisionModel(keras.Model):
             return DynamicLossScale()
         return DynamicLossScale.disabled()
 
+    def _inner_optimizer(self) -> Any:
+        optimizer = self.optimizer
+        return optimizer.inner_optimizer if isinstance(optimizer, LossScaleOptimizer) else optimizer
+
     def _overrides_train_step(self) -> bool:
         return type(self).train_step is not MixedPrecisionModel.train_step
 
@@ -418,9 +417,9 @@ class MixedPrecisionModel(keras.Model):
         """
         auto_scale_loss = kwargs.pop("auto_scale_loss", True)
         optimizer = keras.optimizers.get(optimizer)
-        adopted = None
+        adopted = given_wrapper = None
         if isinstance(optimizer, LossScaleOptimizer):
-            adopted = optimizer.dynamic_loss_scale
+            adopted, given_wrapper = optimizer.dynamic_loss_scale, optimizer
             optimizer = optimizer.inner_optimizer
         elif isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             adopted = DynamicLossScale(
@@ -455,10 +454,17 @@ class MixedPrecisionModel(keras.Model):
                 self._loss_scale = (self._auto_loss_scale() if auto_scale_loss
                                     else DynamicLossScale.disabled())
                 self._loss_scale_chosen_by = choice
-        if self._overrides_train_step():
-            # Your own train_step applies through self.optimizer: never a
-            # non-finite update, and the loss scale in reach (scale_loss).
-            self.optimizer = LossScaleOptimizer.for_model(self.optimizer, self._loss_scale)
+        if self._loss_scale.scaling_active or self._overrides_train_step():
+            # As in Keras, a model that scales its loss trains through a
+            # LossScaleOptimizer; and your own train_step applies through
+            # self.optimizer: never a non-finite update, the scale in reach.
+            if given_wrapper is not None and given_wrapper.dynamic_loss_scale is self._loss_scale:
+                self.optimizer = given_wrapper
+            else:
+                self.optimizer = LossScaleOptimizer.for_model(self.optimizer, self._loss_scale)
+            # Saved as the plain optimizer it wraps; the model saves the scale.
+            self.optimizer._saved_as_inner = True
+            self.optimizer._saves_loss_scale = False
         if self.built:
             self._loss_scale.build(self.trainable_variables)
             # Built now rather than at the first fit, so that load_weights

@@ -27,6 +27,14 @@ def _layer_of(variable_path: str) -> str:
     return variable_path.rsplit("/", 1)[0]
 
 
+def _logged_losses(logs: dict) -> list[Any]:
+    """`loss`, or else every training `*loss` entry (a GAN's d_loss, g_loss)."""
+    if "loss" in logs:
+        return [logs["loss"]]
+    return [value for key, value in logs.items()
+            if key.endswith("loss") and not key.startswith("val_")]
+
+
 class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
     """Counts non-finite gradient steps and acts when training diverges.
 
@@ -39,10 +47,14 @@ class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
     among them. `TerminateOnNaN` and Keras's `LossScaleOptimizer` give no
     location; `tf.debugging.enable_check_numerics` does, at a large cost.
 
-    Nothing is read from the device per step: the model's in-graph counters
-    (which miss nothing in between) are read every `check_every` steps and
-    at every epoch end. On a stock `keras.Model` only the loss is watched,
-    at the same points.
+    Nothing is read from the device per step: the loss scale's in-graph
+    counters (which miss nothing in between) are read every `check_every`
+    steps and at every epoch end. The loss scale is found as
+    `LossScaleMonitor` finds it (a hand-written `train_step`'s too). Where
+    there is none, or no step went through it since the last check (a
+    `train_step` of your own that applies its updates elsewhere), the
+    losses in the logs (`loss`, or every `*loss` key such as a GAN's
+    `d_loss` and `g_loss`) are watched at the same points.
 
     Args:
         patience: consecutive divergent steps that count as divergence.
@@ -159,8 +171,12 @@ class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
             self._check_loss_only(step, logs)
             return
         state = self._loss_scale.diagnostics()
-        counts = self._loss_scale.nonfinite_gradient_counts()
         last = self._last_state
+        if state["step_count"] == last["step_count"]:
+            # No step went through the loss scale: watch the logged losses.
+            self._check_loss_only(step, logs)
+            return
+        counts = self._loss_scale.nonfinite_gradient_counts()
         # (on_train_begin read a full state: `last` has every key)
         new_skips = state["skipped_steps"] - last["skipped_steps"]
         new_loss_failures = state["nonfinite_loss_steps"] - last["nonfinite_loss_steps"]
@@ -193,10 +209,10 @@ class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
             self._diverge(step, reason, culprits, state["scale"])
 
     def _check_loss_only(self, step: int, logs: dict | None) -> None:
-        loss = (logs or {}).get("loss")
-        if loss is None:
+        losses = _logged_losses(logs or {})
+        if not losses:
             return
-        if math.isfinite(float(loss)):
+        if all(math.isfinite(float(loss)) for loss in losses):
             self._nonfinite_loss_checks = 0
             return
         self._nonfinite_loss_checks += 1
@@ -248,6 +264,10 @@ class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
                 if culprits
                 else "No gradient was non-finite at the checks; the loss itself was."
             )
+        note = getattr(self.model, "kept_batch_note", None)
+        note = note() if callable(note) else None
+        if report is None and note:
+            where += f" The batch of the last skipped step was not replayed: {note}."
         scale_text = f"; loss scale {scale:g}" if scale is not None else ""
         message = (
             f"Training diverged by step {step}: {reason} for at least {self.patience} "

@@ -364,3 +364,124 @@ def test_no_forgotten_scaling_warning_when_keras_fit_drives_the_wrapper():
         model.fit(x, y, batch_size=8, verbose=0)
     assert not [w for w in caught if "You forgot to call" in str(w.message)]
     assert int(model.optimizer.iterations.numpy()) == 2
+
+
+# ---------------------------------------------- Keras 3's LossScaleOptimizer
+def test_keras_3_contract_apply_takes_gradients_of_the_scaled_loss():
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.5))
+    variables = [tf.Variable([1.0, 2.0, 3.0, 4.0])]
+    optimizer.build(variables)
+    optimizer.apply([tf.constant([1.0, 6.0, 7.0, 2.0]) * optimizer.initial_scale])  # the built variables
+    np.testing.assert_allclose(variables[0].numpy(), [0.5, -1.0, -0.5, 3.0], rtol=1e-6)
+    assert float(optimizer.scale_loss(1.0)) == 2.0**15
+    assert isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def test_keras_3_contract_float8_state_is_overwritten_not_unscaled():
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.5))
+    variable = keras.Variable([1.0, 2.0, 3.0, 4.0])
+    variable.overwrite_with_gradient = True
+    optimizer.apply([tf.constant([1.0, 6.0, 7.0, 2.0])], [variable])
+    np.testing.assert_allclose(variable.numpy(), [1.0, 6.0, 7.0, 2.0])
+
+
+def test_keras_3_config_layout_and_integral_growth_steps():
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.5), initial_scale=3.0,
+                                   dynamic_growth_steps=2.0, name="test_opt")
+    config = optimizer.get_config()
+    assert sorted(config) == ["dynamic_growth_steps", "initial_scale", "inner_optimizer", "name"]
+    assert config["dynamic_growth_steps"] == 2 and config["initial_scale"] == 3.0
+    revived = LossScaleOptimizer.from_config(config)
+    assert revived.dynamic_loss_scale.get_config() == optimizer.dynamic_loss_scale.get_config()
+    fixed = LossScaleOptimizer(keras.optimizers.SGD(), dynamic=False, initial_scale=8.0)
+    assert LossScaleOptimizer.from_config(fixed.get_config()).get_scale() == 8.0
+    hysteresis = LossScaleOptimizer(keras.optimizers.SGD(), hysteresis=2, min_scale=4.0)
+    assert LossScaleOptimizer.from_config(hysteresis.get_config()).dynamic_loss_scale.get_config() \
+        == hysteresis.dynamic_loss_scale.get_config()
+
+
+def test_unknown_arguments_are_refused_as_both_peers_refuse_them():
+    with pytest.raises(mp.UnsupportedArgumentError, match="arguments: `foo`, `bar`") as caught:
+        LossScaleOptimizer(keras.optimizers.SGD(), foo=True, bar=3)
+    assert isinstance(caught.value, TypeError) and isinstance(caught.value, ValueError)
+    with pytest.raises(ValueError, match="on the `inner_optimizer`"):
+        LossScaleOptimizer(keras.optimizers.SGD(), clipnorm=0.5)
+    # Keras 3 has no dynamic=False; tf.keras needs an initial scale: both said.
+    with pytest.raises(ValueError, match="set `loss_scale_factor`"):
+        LossScaleOptimizer(keras.optimizers.SGD(), dynamic=False)
+
+
+def test_dynamic_loss_scale_clears_an_optimizers_own_loss_scale_factor():
+    variable = tf.Variable(1.0)
+    optimizer = keras.optimizers.SGD(1.0, loss_scale_factor=100.0)
+    loss_scale = mp.DynamicLossScale(initial_scale=4.0)
+    with pytest.warns(mp.MixedPrecisionWarning, match="loss_scale_factor=100.0 is cleared"):
+        loss_scale.apply_gradients(optimizer, [tf.constant(1.0)], [variable])
+    assert optimizer.loss_scale_factor is None
+    assert variable.numpy() == 0.0  # 1 - lr * 1, not 1 - lr * 1 / 100
+
+
+# ------------------------------------- tf.keras's mixed-precision model tests
+class _Multiply(keras.layers.Layer):
+    """tf.keras's MultiplyLayer: y = x * v, v a scalar weight starting at 1."""
+
+    def build(self, input_shape):
+        self.v = self.add_weight(shape=(), initializer="ones", name="v")
+
+    def call(self, x):
+        return x * tf.cast(self.v, x.dtype)
+
+
+class _SeeGradient(keras.layers.Layer):
+    """Identity whose backward pass records the gradient it receives, and
+    turns it into NaN while `poison` is set."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen = tf.Variable(0.0, trainable=False)
+        self.poison = tf.Variable(False, trainable=False)
+
+    def call(self, x):
+        @tf.custom_gradient
+        def identity(x):
+            def grad(upstream):
+                with tf.control_dependencies([self.seen.assign(tf.cast(tf.reduce_max(upstream), tf.float32))]):
+                    nan = tf.fill(tf.shape(upstream), tf.constant(np.nan, upstream.dtype))
+                    return tf.where(self.poison, nan, tf.identity(upstream))
+            return tf.identity(x), grad
+        return identity(x)
+
+
+def _tf_keras_model(optimizer):
+    x = keras.Input((1,), batch_size=4)
+    multiply, see = _Multiply(), _SeeGradient()
+    model = mp.MixedPrecisionModel(x, see(multiply(x)))
+    model.compile(optimizer, loss=lambda y_true, y_pred: tf.reduce_mean(y_pred))
+    return model, multiply, see
+
+
+def test_tf_keras_fixed_loss_scaling_model():
+    model, multiply, see = _tf_keras_model(
+        LossScaleOptimizer(keras.optimizers.SGD(1.0), dynamic=False, initial_scale=8.0))
+    data = tf.data.Dataset.from_tensor_slices((np.ones((4, 1)), np.ones((4, 1)))).batch(4)
+    model.fit(data, verbose=0)
+    assert float(see.seen.numpy()) == 8.0 / 4  # the scale reached the gradients
+    assert float(multiply.v.numpy()) == 0.0  # and was taken off before the update
+
+
+def test_tf_keras_dynamic_loss_scaling_model():
+    keras.config.set_dtype_policy("mixed_float16")
+    model, multiply, see = _tf_keras_model(
+        LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=2.0, dynamic_growth_steps=2))
+    data = tf.data.Dataset.from_tensor_slices((np.ones((4, 1)), np.ones((4, 1)))).batch(4)
+    # Scale 2 -> 4 after two finite steps -> 2 after the NaN step, which
+    # leaves v alone; the gradient at the output is scale / batch size.
+    for poisoned, v, gradient in ((False, 0.0, 0.5), (False, -1.0, 0.5), (False, -2.0, 1.0),
+                                  (True, -2.0, None), (False, -3.0, 0.5)):
+        see.poison.assign(poisoned)
+        model.fit(data, verbose=0)
+        assert float(multiply.v.numpy()) == v
+        if gradient is not None:
+            assert float(see.seen.numpy()) == gradient
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert model.optimizer.dynamic_growth_steps == 2

@@ -75,3 +75,13 @@ def test_find_the_overflow_example_names_the_layer_and_trains_after_the_fix(tmp_
     assert "mp.with_float32_layers(model, ['naive_softmax'])" in output
     skipped = re.search(r"skipped steps per epoch: \[(.*)\]", output).group(1)
     assert [float(s) for s in skipped.split(",")] == [0.0, 0.0]
+
+
+def test_custom_train_step_example_skips_the_poisoned_step_and_keeps_the_weights(tmp_path):
+    output = _run("custom_train_step.py", "--epochs", "2", "--samples", "256", "--batch-size", "32",
+                  "--poison-step", "3", tmp_path=tmp_path)
+    assert "policy: mixed_float16; loss scale " in output
+    skipped = re.search(r"skipped steps per epoch: \[(.*)\]", output).group(1)
+    assert [float(s) for s in skipped.split(",")] == [1.0, 1.0]
+    assert "weights finite: True" in output
+    assert re.search(r"d_loss: .* g_loss: .* grad_norm: .* loss_scale: .* skipped_steps: 1", output)

@@ -213,8 +213,11 @@ def test_mixed_float16_auto_uses_one_dynamic_scale():
     keras.mixed_precision.set_global_policy("mixed_float16")
     x, y = classification_data(n=32)
     model = tiny_classifier()
-    model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy")
-    assert not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    sgd = keras.optimizers.SGD(0.01)
+    model.compile(sgd, "sparse_categorical_crossentropy")
+    # As in Keras: one LossScaleOptimizer, and it is the model's own scale.
+    assert isinstance(model.optimizer, mp.LossScaleOptimizer)
+    assert model.optimizer.inner_optimizer is sgd and model.optimizer.dynamic_loss_scale is model.loss_scale
     assert model.loss_scale.is_dynamic and model.loss_scale.initial_scale == 2.0**15
     history = model.fit(x, y, epochs=1, batch_size=16, verbose=0).history
     assert history["loss_scale"] == [2.0**15]
@@ -229,7 +232,9 @@ def test_seed_recipe_loss_scale_optimizer_is_adopted_not_stacked():
         keras.optimizers.SGD(0.01), initial_scale=256.0, dynamic_growth_steps=2
     )
     model.compile(wrapped, "sparse_categorical_crossentropy")
-    assert model.optimizer is wrapped.inner_optimizer
+    assert isinstance(model.optimizer, mp.LossScaleOptimizer)  # Keras's is replaced, not stacked
+    assert model.optimizer.inner_optimizer is wrapped.inner_optimizer
+    assert model.optimizer.dynamic_growth_steps == 2
     assert model.loss_scale.initial_scale == 256.0
     assert model.loss_scale.growth_interval == 2
     history = model.fit(x, y, epochs=1, batch_size=8, verbose=0).history
@@ -292,7 +297,7 @@ def test_from_model_wraps_sequential_and_keeps_weights_and_optimizer():
     optimizer = keras.optimizers.Adam(0.01)
     sequential.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"])
     model = mp.MixedPrecisionModel.from_model(sequential, loss_scale=8.0)
-    assert model.optimizer is optimizer
+    assert model.optimizer.inner_optimizer is optimizer  # it scales: wrapped as in Keras
     assert [id(v) for v in model.weights] == [id(v) for v in sequential.weights]
     x, y = classification_data(n=32)
     history = model.fit(x, y, epochs=1, batch_size=16, verbose=0).history

@@ -220,6 +220,8 @@ def _driven(paths=("a/kernel", "b/kernel", "c/kernel"), **monitor_args):
 
 
 def _state(loss_scale, counts=(0, 0, 0), **values):
+    # Each new state is at least one more step through the loss scale.
+    values.setdefault("step_count", loss_scale.diagnostics()["step_count"] + 1)
     state = {"nonfinite_counts": np.array(counts, np.int64), **values}
     loss_scale.set_state(state)
 

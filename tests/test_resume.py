@@ -91,3 +91,26 @@ def test_model_checkpoint_weights_and_initial_epoch(tmp_path, uninterrupted):
     assert second.get_loss_scale() == first.get_loss_scale()
     second.fit(X, TARGETS, initial_epoch=2, **FIT)
     _assert_same_run(second, uninterrupted)
+
+
+def test_weights_files_keep_a_plain_optimizers_layout_when_the_model_wraps_it(tmp_path):
+    # A model that scales trains through a LossScaleOptimizer; its weights
+    # files still load into the same model without one, slots included.
+    x, y = classification_data(n=32)
+    scaled = tiny_classifier(loss_scale=mp.DynamicLossScale(initial_scale=8.0))
+    scaled.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
+    assert isinstance(scaled.optimizer, mp.LossScaleOptimizer)
+    scaled.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    path = str(tmp_path / "scaled.weights.h5")
+    scaled.save_weights(path)
+    plain = tiny_classifier(loss_scale=None)
+    plain.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
+    assert not isinstance(plain.optimizer, keras.optimizers.LossScaleOptimizer)
+    plain.load_weights(path)
+    assert int(plain.optimizer.iterations.numpy()) == 4
+    for ours, theirs in zip(plain.optimizer.variables, scaled.optimizer.variables):
+        np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+    again = tiny_classifier(loss_scale=mp.DynamicLossScale(initial_scale=2.0))
+    again.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
+    again.load_weights(path)
+    assert again.get_loss_scale() == 8.0 and int(again.optimizer.iterations.numpy()) == 4
