@@ -45,6 +45,16 @@ def init_functional(model: Any, args: tuple, kwargs: dict) -> None:
     functional_class().__init__(model, *args, **kwargs)
 
 
+def global_seed_generator_state() -> Any:
+    """The state variable of Keras's global SeedGenerator (which
+    `keras.random.*` ops without a seed advance), or None before one exists."""
+    from keras.src.backend.common import global_state
+    from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
+
+    generator = global_state.get_global_attribute(GLOBAL_SEED_GENERATOR)
+    return None if generator is None else generator.state
+
+
 def keras_saveable_class() -> type:
     from keras.src.saving.keras_saveable import KerasSaveable
 
@@ -111,6 +121,12 @@ def _loss_scale_optimizer_methods() -> bool:
            or name == "__init__"}
     helpers = {name for name in own if name.startswith("_") and name != "__init__"}
     return own - helpers <= LOSS_SCALE_OPTIMIZER_OVERRIDES | LOSS_SCALE_OPTIMIZER_STATELESS
+
+
+def _global_seed_generator() -> bool:
+    keras.random.normal((1,))  # makes the global generator if there is none
+    state = global_seed_generator_state()
+    return state is not None and hasattr(state, "assign")
 
 
 def _has(obj: Any, *names: str) -> bool:
@@ -181,6 +197,9 @@ INTERNALS = (
              "model.py: logs shaped [1] only under a real multi-worker strategy", _multi_worker_mode_flag),
     Internal("Layer._flatten_layers(include_self, recursive), Functional._run_through_graph",
              "model.py, model_checks.py, diagnosis.py (finding every layer)", _layer_walk),
+    Internal("keras.src.random.seed_generator global SeedGenerator (GLOBAL_SEED_GENERATOR)",
+             "headroom_monitor.py (its probe leaves the global seed as it was)",
+             _global_seed_generator),
     Internal("Layer._dtype_policy (swapped for the float32 replay)",
              "diagnosis.py computing_in_float32", lambda: hasattr(keras.layers.Dense(1), "_dtype_policy")),
     Internal("KerasTensor._keras_history, Layer._inbound_nodes[].input_tensors",

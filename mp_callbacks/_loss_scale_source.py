@@ -112,7 +112,8 @@ class LossScaleSource:
         optimizer, which keeps no such latch, the current scale."""
         if self.kind == "mp":
             state = self.loss_scale.diagnostics()
-            lowest = min(state["lowest_scale"], state["scale"])
+            lowest = state["scale"] if state["lowest_scale"] is None else min(
+                state["lowest_scale"], state["scale"])
             self.loss_scale.reset_lowest_scale()
             return lowest
         return self.read_scale()

@@ -16,14 +16,15 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
 from mp_callbacks._backend import keras, tf
 from mp_callbacks._loss_scale_source import LossScaleSource
 
-__all__ = ["PrecisionReport", "diagnose_batch", "layer_output_ranges", "FLOAT16_ADVICE_THRESHOLD"]
+__all__ = ["OutputRange", "PrecisionReport", "diagnose_batch", "layer_output_ranges",
+           "FLOAT16_ADVICE_THRESHOLD"]
 
 #: A float16 layer whose largest output uses more than this share of
 #: float16's range is advised to compute in float32.
@@ -242,17 +243,31 @@ def _reference_ranges(model: keras.Model, x: Any) -> dict[str, tuple[float, floa
     return ranges
 
 
-def layer_output_ranges(model: keras.Model, x: Any) -> dict[str, tuple[str, float]]:
-    """Forward pass in inference mode: layer name -> (compute dtype,
-    largest |output|), the worst over the layer's calls."""
+class OutputRange(NamedTuple):
+    """One layer's outputs on a batch (the worst over its calls)."""
+
+    dtype: str  #: the layer's compute dtype
+    largest: float  #: largest |output| (inf or nan when not finite)
+    inputs_finite: bool  #: every input it was given was finite
+    weights_finite: bool  #: every weight it holds is finite
+
+
+def layer_output_ranges(model: keras.Model, x: Any) -> dict[str, OutputRange]:
+    """Forward pass in inference mode: layer name -> `OutputRange`."""
     with recording_layers(model) as records:
         model(x, training=False)
-    ranges: dict[str, tuple[str, float]] = {}
-    for layer, _, outputs in records:
+    ranges: dict[str, OutputRange] = {}
+    for layer, inputs, outputs in records:
         value = _abs_max(outputs)
         dtype = str(getattr(layer, "compute_dtype", "float32"))
-        previous = ranges.get(layer.name, (dtype, 0.0))[1]
-        ranges[layer.name] = (dtype, value if not value <= previous else previous)
+        previous = ranges.get(layer.name)
+        inputs_finite = _all_finite(inputs)
+        if previous is not None:
+            value = value if not value <= previous.largest else previous.largest
+            inputs_finite = inputs_finite and previous.inputs_finite
+        weights_finite = _all_finite([w.value for w in layer.weights
+                                      if "float" in keras.backend.standardize_dtype(w.dtype)])
+        ranges[layer.name] = OutputRange(dtype, value, inputs_finite, weights_finite)
     return ranges
 
 

@@ -30,14 +30,18 @@ class EpochTimer(ConfigCopyMixin, keras.callbacks.Callback):
     `time_validation=True` also `val_time`. The first epoch includes
     tracing and compilation, so it is marked and left out of the summary's
     median. Uses a monotonic clock and reads nothing from the device per
-    step: the sample count is read once per epoch from the model's loss
-    tracker (or computed from `batch_size` when given). Works on any
-    `keras.Model`.
+    step. The sample count is read once per epoch: a `MixedPrecisionModel`
+    counts the samples of every batch its steps see (its own `train_step`
+    or yours); otherwise it is `batch_size` times the steps when given, or
+    Keras's loss tracker when that counts samples (a `train_step` that
+    updates it with a scalar loss counts steps: `samples_per_sec` is then
+    left out rather than wrong). Works on any `keras.Model`.
 
     Args:
         time_validation: also log the validation time as `val_time`.
-        batch_size: samples per step, for models whose sample count cannot
-            be read (custom `train_step` without Keras's loss tracker).
+            Defaults to False.
+        batch_size: samples per step, for a stock model whose sample count
+            cannot be read (a custom `train_step`). Defaults to None.
 
     Attributes:
         records: one dict per epoch: `epoch`, `epoch_time`, `steps`,
@@ -172,18 +176,22 @@ class EpochTimer(ConfigCopyMixin, keras.callbacks.Callback):
         self._samples = self._count_samples()
 
     def _count_samples(self) -> float | None:
-        # Keras's loss tracker is a Mean weighted by batch size: its count is
-        # the number of samples trained on this epoch (one read per epoch).
         if self._epoch_steps == 0:
-            return 0.0  # the tracker still holds the previous epoch's count
+            return 0.0  # the counters still hold the previous epoch's count
+        counted = getattr(self.model, "epoch_sample_count", None)
+        if callable(counted):
+            return counted()
+        if self.batch_size is not None:
+            return float(self.batch_size * self._epoch_steps)
+        # Keras's loss tracker is a Mean weighted by batch size in Keras's own
+        # train_step: its count is the samples trained on this epoch. A step
+        # that updates it with the scalar loss alone makes it count steps.
         tracker = getattr(self.model, "_loss_tracker", None)
         count = getattr(tracker, "count", None)
         if count is not None:
             samples = float(read_variable(count))
-            if samples > 0:
+            if samples > 0 and samples != self._epoch_steps:
                 return samples
-        if self.batch_size is not None:
-            return float(self.batch_size * self._epoch_steps)
         if not self._warned_samples:
             self._warned_samples = True
             logger.info(

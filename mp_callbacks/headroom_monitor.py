@@ -1,5 +1,5 @@
-"""`HeadroomMonitor`: each layer's activation range, watched before it
-overflows."""
+"""`HeadroomMonitor`: each float16 layer's activation range, watched before
+it overflows."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from mp_callbacks._backend import keras
+from mp_callbacks._backend import keras, tf
 from mp_callbacks._callback_support import ConfigCopyMixin
-from mp_callbacks._validation import check_int, check_real
+from mp_callbacks._keras_internals import global_seed_generator_state
+from mp_callbacks._validation import check_int, check_real, fail
 from mp_callbacks.diagnosis import dtype_max, layer_output_ranges
 from mp_callbacks.errors import MixedPrecisionWarning
 
@@ -20,29 +21,50 @@ __all__ = ["HeadroomMonitor"]
 
 logger = logging.getLogger(__name__)
 
+# Compute dtypes whose range a layer can run out of (bfloat16 and float32
+# both reach 3.4e38, which no activation comes near).
+_LIMITED_RANGE = ("float16",)
+
+
+def _sub_models(model: keras.Model) -> list[str]:
+    return sorted(name for name, value in vars(model).items()
+                  if isinstance(value, keras.Model) and not name.startswith("_"))
+
+
+def _has_call(model: Any) -> bool:
+    return type(model).call is not keras.Model.call
+
 
 class HeadroomMonitor(ConfigCopyMixin, keras.callbacks.Callback):
-    """Records how much of its compute dtype's range each layer's output uses.
+    """Records how much of float16's range each float16 layer's output uses.
 
     Every `every_n_steps` training steps, and at the end of an epoch that
     had no probe, one fixed probe batch (for example a slice of the
     validation data) runs forward through the model in inference mode with
     every layer's output recorded: nothing is added to the training step
-    itself. Each layer's figure is its largest |output| divided by the
-    largest finite value of its compute dtype (65504 for float16), so 1.0
-    is overflow. The epoch logs get `headroom/<layer>` (the highest figure of
-    the epoch), so `History`, `CSVLogger` and TensorBoard show a layer
-    drifting toward float16's limit before it overflows, and a
-    `MixedPrecisionWarning` names a float16 layer the first time it passes
-    `warn_above`.
+    itself, and the probe leaves the model as it found it (random seeds,
+    `SeedGenerator`s and other state are put back). Each layer's figure is
+    its largest |output| divided by the largest finite value of its compute
+    dtype (65504 for float16), so 1.0 is overflow. The epoch logs get
+    `headroom/<layer>` (the highest figure of the epoch), so `History`,
+    `CSVLogger` and TensorBoard show a layer drifting toward float16's
+    limit before it overflows, and a `MixedPrecisionWarning` names a
+    float16 layer the first time it passes `warn_above`. A layer whose
+    output is not finite because its inputs or weights are not is said to
+    be so, not called an overflow.
 
     Args:
         probe: the probe inputs (what `model(probe)` accepts), a few samples.
-        every_n_steps: probe every this many training steps (default 1000;
-            each probe is one forward pass of the probe batch).
+        every_n_steps: probe every this many training steps. Defaults to
+            1000; each probe is one forward pass of the probe batch.
         warn_above: warn when a float16 layer uses more than this share of
-            float16's range (0 < warn_above <= 1).
-        layers: names of the layers to log (default: every layer).
+            float16's range (0 < warn_above <= 1). Defaults to 0.5.
+        layers: names of the layers to log. Defaults to None: every layer
+            that computes in float16 (other dtypes have float32's range).
+        target: the model to run the probe through: None (default) for the
+            model being trained, or the name of one of its attributes (or a
+            model) for a model without `call()`, such as a GAN's
+            `"generator"`.
 
     Attributes:
         history: one `{"epoch", "step", "headroom": {layer: share}}` record
@@ -55,7 +77,7 @@ class HeadroomMonitor(ConfigCopyMixin, keras.callbacks.Callback):
     import mp_callbacks as mp
 
     inputs = keras.Input((4,))
-    hidden = keras.layers.Dense(8, name="hidden")(inputs)
+    hidden = keras.layers.Dense(8, name="hidden", dtype="mixed_float16")(inputs)
     outputs = keras.layers.Dense(1, name="head")(hidden)
     model = keras.Model(inputs, outputs)
     model.compile("sgd", "mse")
@@ -63,7 +85,7 @@ class HeadroomMonitor(ConfigCopyMixin, keras.callbacks.Callback):
     monitor = mp.HeadroomMonitor(probe=x[:4], every_n_steps=2)
     history = model.fit(x, np.zeros((32, 1)), batch_size=8, epochs=1, verbose=0,
                         callbacks=[monitor])
-    print(len(monitor.history), "headroom/hidden" in history.history)  # 2 True
+    print(len(monitor.history), [k for k in history.history if k.startswith("headroom")])  # 2 ['headroom/hidden']
     ```
     """
 
@@ -73,6 +95,7 @@ class HeadroomMonitor(ConfigCopyMixin, keras.callbacks.Callback):
         every_n_steps: int = 1000,
         warn_above: float = 0.5,
         layers: list[str] | None = None,
+        target: str | keras.Model | None = None,
     ) -> None:
         super().__init__()
         owner = "HeadroomMonitor"
@@ -85,22 +108,28 @@ class HeadroomMonitor(ConfigCopyMixin, keras.callbacks.Callback):
         if layers is not None and (isinstance(layers, str) or not all(isinstance(n, str) for n in layers)):
             raise TypeError(f"{owner}: `layers` must be None or a list of layer names; "
                             f"received layers={layers!r}.")
+        if target is not None and not isinstance(target, (str, keras.Model)):
+            fail(owner, "target", target, "None, an attribute name of the model, or a Keras model",
+                 TypeError)
         self.layers = list(layers) if layers is not None else None
+        self.target = target
         self.history: list[dict[str, Any]] = []
         self.async_safe = True  # pragma: no mutate (a scheduling hint)
         self._steps = 0
         self._epoch = 0
         self._epoch_max: dict[str, float] = {}
         self._warned: set[str] = set()
+        self._probed_model: Any = None
 
     def get_config(self) -> dict[str, Any]:
         return {"probe": self.probe, "every_n_steps": self.every_n_steps,
-                "warn_above": self.warn_above, "layers": self.layers}
+                "warn_above": self.warn_above, "layers": self.layers, "target": self.target}
 
     def on_train_begin(self, logs=None):
         self.history = []
         self._steps = 0
         self._warned = set()
+        self._probed_model = self._resolve_target()
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -118,32 +147,97 @@ class HeadroomMonitor(ConfigCopyMixin, keras.callbacks.Callback):
             for name, share in self._epoch_max.items():
                 logs[f"headroom/{name}"] = share
 
+    # ------------------------------------------------------------ helpers
+    def _resolve_target(self) -> Any:
+        """The model the probe runs through, or None (said once) if none can."""
+        target = self.target
+        if isinstance(target, str):
+            resolved = getattr(self.model, target, None)
+            if not isinstance(resolved, keras.Model):
+                fail("HeadroomMonitor", "target", target,
+                     f"the name of a model attribute of {self.model.name!r} "
+                     f"(it has: {', '.join(map(repr, _sub_models(self.model))) or 'none'})")
+            target = resolved
+        target = target if target is not None else self.model
+        if _has_call(target):
+            return target
+        names = _sub_models(target)
+        warnings.warn(
+            f"HeadroomMonitor: model {target.name!r} has no call() to run the probe "
+            "through, so no headroom is recorded. Pass one of its sub-models as "
+            f"target= ({', '.join(repr(n) for n in names) or 'none found'}), for example "
+            f"HeadroomMonitor(probe, target={names[0] if names else 'generator'!r}).",
+            MixedPrecisionWarning,
+            stacklevel=2,
+        )
+        return None
+
     def _probe(self) -> None:
-        ranges = layer_output_ranges(self.model, self.probe)
+        if self._probed_model is None:
+            return
+        ranges = _leaving_state_as_it_was(self._probed_model,
+                                          lambda: layer_output_ranges(self._probed_model, self.probe))
         shares: dict[str, float] = {}
-        for name, (dtype, value) in ranges.items():
-            if self.layers is not None and name not in self.layers:
+        for name, measured in ranges.items():
+            if self.layers is not None:
+                if name not in self.layers:
+                    continue
+            elif measured.dtype not in _LIMITED_RANGE:
                 continue
-            share = value / dtype_max(dtype) if math.isfinite(value) else math.inf
+            finite = math.isfinite(measured.largest)
+            share = measured.largest / dtype_max(measured.dtype) if finite else math.inf
             shares[name] = share
             previous = self._epoch_max.get(name, -1.0)
             self._epoch_max[name] = share if not share <= previous else previous
-            if dtype == "float16" and share > self.warn_above and name not in self._warned:
-                self._warned.add(name)
-                warnings.warn(
-                    f"Layer {name!r} computes in float16 and its output reached "
-                    f"{'overflow' if not math.isfinite(share) else f'{share:.0%} of float16 range'} "
-                    f"(largest |output| {value:.4g}, float16 max 65504) on the probe batch at "
-                    f"step {self._steps}. Compute it in float32: "
-                    f"mp_callbacks.with_float32_layers(model, [{name!r}]).",
-                    MixedPrecisionWarning,
-                    stacklevel=2,
-                )
+            if measured.dtype == "float16" and share > self.warn_above and name not in self._warned:
+                self._warn(name, measured, share)
         self.history.append({"epoch": self._epoch, "step": self._steps, "headroom": shares})
+
+    def _warn(self, name: str, measured: Any, share: float) -> None:
+        self._warned.add(name)
+        if math.isfinite(share):
+            reached = f"{share:.0%} of float16 range"
+        elif not measured.inputs_finite:
+            return  # it inherits a non-finite input: the layer that made it is named
+        elif not measured.weights_finite:
+            warnings.warn(
+                f"Layer {name!r}'s output is not finite on the probe batch at step "
+                f"{self._steps} because its weights are not finite: training has "
+                "diverged (NaNGradientMonitor tells where); this is not a float16 overflow.",
+                MixedPrecisionWarning,
+                stacklevel=3,
+            )
+            return
+        else:
+            reached = "overflow"
+        warnings.warn(
+            f"Layer {name!r} computes in float16 and its output reached {reached} "
+            f"(largest |output| {measured.largest:.4g}, float16 max 65504) on the probe batch at "
+            f"step {self._steps}. Compute it in float32: "
+            f"mp_callbacks.with_float32_layers(model, [{name!r}]).",
+            MixedPrecisionWarning,
+            stacklevel=3,
+        )
 
     def __deepcopy__(self, memo: dict) -> "HeadroomMonitor":
         clone = type(self)(probe=np.array(self.probe, copy=True) if isinstance(self.probe, np.ndarray)
                            else self.probe, every_n_steps=self.every_n_steps,
-                           warn_above=self.warn_above, layers=self.layers)
+                           warn_above=self.warn_above, layers=self.layers, target=self.target)
         memo[id(self)] = clone
         return clone
+
+
+def _leaving_state_as_it_was(model: keras.Model, run: Any) -> Any:
+    """Runs `run()` and puts back every non-trainable variable of `model`
+    (random seeds, `SeedGenerator`s, statistics) and Keras's global seed,
+    so that the probe changes nothing the training reads."""
+    state = list(model.non_trainable_variables)
+    global_seed = global_seed_generator_state()
+    if global_seed is not None:
+        state.append(global_seed)
+    saved = [tf.identity(v.value) for v in state]
+    try:
+        return run()
+    finally:
+        for variable, value in zip(state, saved):
+            variable.assign(value)

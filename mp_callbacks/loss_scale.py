@@ -983,11 +983,12 @@ class DynamicLossScale(tf.Module):
         """The current scale as a Python float (reads from the device)."""
         return float(self._scale.numpy())
 
-    def diagnostics(self) -> dict[str, float | int]:
+    def diagnostics(self) -> dict[str, Any]:
         """The state as Python numbers, in one host read.
 
         Keys are the names in `STATE_VARIABLES`: `scale` and `lowest_scale`
-        (floats), and the counters `good_steps`, `hysteresis_left`,
+        (floats; `lowest_scale` is None when no step was taken since
+        `reset_lowest_scale()`), and the counters `good_steps`, `hysteresis_left`,
         `step_count`, `skipped_steps` (total skipped), `nonfinite_loss_steps`,
         `divergent_steps` (a non-finite loss, or a skipped step with the scale
         at `min_scale`), `divergent_run` (current run of consecutive divergent
@@ -1002,10 +1003,13 @@ class DynamicLossScale(tf.Module):
         values = tf.stack(
             [tf.cast(self._state[name], tf.float64) for name in names]
         ).numpy()
-        return {
+        state: dict[str, float | int | None] = {
             name: int(value) if name in _COUNTERS else float(value)
             for name, value in zip(names, values)
         }
+        if state["lowest_scale"] == FLOAT32_MAX:
+            state["lowest_scale"] = None  # no step since reset_lowest_scale()
+        return state
 
     def reset_divergence_latches(self) -> None:
         """Forgets earlier divergence: the current and the longest divergent

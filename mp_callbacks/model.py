@@ -49,6 +49,16 @@ _SCALE_THE_LOSS = (
 )
 
 
+def _batch_size(data: Any) -> tf.Tensor:
+    """The number of samples in a batch: its first tensor's first dimension."""
+    first = next(t for t in tf.nest.flatten(data) if t is not None)
+    if isinstance(first, tf.SparseTensor):
+        return first.dense_shape[0]
+    if isinstance(first, tf.RaggedTensor):
+        return first.nrows()
+    return tf.shape(first)[0]
+
+
 def _accounted(train_step: Callable) -> Callable:
     """Runs a `train_step` as one recorded step of the model's loss scale.
 
@@ -66,6 +76,7 @@ def _accounted(train_step: Callable) -> Callable:
         forward_state = None if standard else self._read_forward_state()
         with loss_scale.recording() as record:
             logs = train_step(self, data)
+            self._epoch_signals.samples.update_state(tf.cast(_batch_size(data), tf.float32))
             return self._finish_step(record, logs, forward_state)
 
     accounted_train_step._mp_accounted = True  # type: ignore[attr-defined]
@@ -190,10 +201,12 @@ class _EpochSignals:
     def __init__(self) -> None:
         self.grad_norm = keras.metrics.Mean(name="grad_norm")
         self.skipped_steps = keras.metrics.Sum(name="skipped_steps")
+        self.samples = keras.metrics.Sum(name="samples")
 
     def reset(self) -> None:
         self.grad_norm.reset_state()
         self.skipped_steps.reset_state()
+        self.samples.reset_state()
 
 
 @keras.saving.register_keras_serializable(package="mp_callbacks")
@@ -275,6 +288,7 @@ class MixedPrecisionModel(keras.Model):
         self._epoch_signals = _EpochSignals()
         self._kept_batch = _KeptBatch()
         self._checked_model = False
+        self._loading = False
         self._warned_unscaled_step = False
 
     # ------------------------------------------------------------ creation
@@ -386,6 +400,12 @@ class MixedPrecisionModel(keras.Model):
         """
         return self._kept_batch.read()
 
+    def epoch_sample_count(self) -> float:
+        """Samples trained on in the current epoch, counted in-graph from
+        the batches every training step saw, its own `train_step` or yours
+        (one host read; `EpochTimer` reads it once per epoch)."""
+        return float(self._epoch_signals.samples.result().numpy())
+
     def kept_batch_note(self) -> str | None:
         """Why the last skipped step's batch could not be kept, or None."""
         return self._kept_batch.not_kept
@@ -478,7 +498,12 @@ class MixedPrecisionModel(keras.Model):
         if self._checked_model:
             return
         self._checked_model = True
-        findings = check_model(self)
+        findings = [f for f in check_model(self) if f.kind != "not_checked"]
+        if findings and self._loading:
+            # Warned when the model was first compiled, not at every load.
+            logger.info("check_model found %d mixed-precision issue(s) in %r: %s",
+                        len(findings), self.name, "; ".join(map(str, findings)))
+            return
         if findings:
             warnings.warn(
                 f"check_model found {len(findings)} mixed-precision issue(s) in "
@@ -489,7 +514,11 @@ class MixedPrecisionModel(keras.Model):
 
     def compile_from_config(self, config: dict[str, Any]) -> None:
         # Keras skips compile_from_config for models that override compile.
-        self.compile(**keras.saving.deserialize_keras_object(config))
+        self._loading = True
+        try:
+            self.compile(**keras.saving.deserialize_keras_object(config))
+        finally:
+            self._loading = False
 
     def make_train_function(self, force: bool = False):
         if self._loss_scale is None:

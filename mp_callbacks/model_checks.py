@@ -25,6 +25,14 @@ _NORMALIZATION = (
 # the model's multiply-adds: resizing a layer that costs less cannot speed
 # the model up measurably.
 MIN_COMPUTE_SHARE = 0.01
+#: ... and at least this many multiply-adds a sample: below it a layer's
+#: matrix products are too small for Tensor Core (or AMX) tiles to matter.
+MIN_MULTIPLY_ADDS = 2**20
+
+# Layers that look rows up by integer index: float ids rounded to a low
+# precision look up other rows.
+_INDEX_LOOKUPS = (keras.layers.Embedding, keras.layers.IntegerLookup, keras.layers.CategoryEncoding)
+_EXACT_FLOAT_IDS = {"bfloat16": 256, "float16": 2048}
 
 
 @dataclass(frozen=True)
@@ -36,7 +44,9 @@ class Finding:
             findings; for a grouped finding, the layers' names joined by
             ", ").
         kind: `"output_dtype"`, `"low_precision_output_op"`,
-            `"tensor_core_alignment"` or `"missing_loss_scale"`.
+            `"float_index_input"`, `"tensor_core_alignment"`,
+            `"missing_loss_scale"`, or `"not_checked"` (what the check could
+            not see, such as a subclassed model's own `call`).
         message: what is wrong and what to do.
         layers: every layer the finding is about.
     """
@@ -90,10 +100,26 @@ _FEATURE_PRESERVING = (
     keras.layers.Softmax,
     keras.layers.Identity,
     keras.layers.Dropout,
+    keras.layers.SpatialDropout1D,
+    keras.layers.SpatialDropout2D,
+    keras.layers.SpatialDropout3D,
+    keras.layers.GaussianNoise,
     keras.layers.Flatten,
     keras.layers.Reshape,
     keras.layers.ReLU,
-)
+    keras.layers.LeakyReLU,
+    keras.layers.PReLU,
+    keras.layers.ELU,
+    keras.layers.Cropping1D,
+    keras.layers.Cropping2D,
+    keras.layers.Cropping3D,
+    keras.layers.ZeroPadding1D,
+    keras.layers.ZeroPadding2D,
+    keras.layers.ZeroPadding3D,
+    keras.layers.UpSampling1D,
+    keras.layers.UpSampling2D,
+    keras.layers.UpSampling3D,
+) + _NORMALIZATION
 
 
 def _output_size_layers(output_layers: list[Any]) -> list[Any]:
@@ -196,7 +222,7 @@ def _alignment_findings(
     layers: list[Any], low_precision: list[Any], output_size_layers: list[Any]
 ) -> list[Finding]:
     """One finding for the low-precision layers, with a real share of the
-    compute, whose size is not a multiple of 8."""
+    compute and at least MIN_MULTIPLY_ADDS, whose size is not a multiple of 8."""
     costs = {id(layer): _multiply_adds(layer) for layer in layers}
     total = sum(costs.values())
     misaligned, minor = [], 0
@@ -204,6 +230,8 @@ def _alignment_findings(
         size = _size_of(layer)
         if layer in output_size_layers or size is None or size[1] % 8 == 0:
             continue
+        if costs[id(layer)] < MIN_MULTIPLY_ADDS:
+            continue  # too small for alignment to matter
         share = costs[id(layer)] / total if total else 1.0
         if share < MIN_COMPUTE_SHARE:
             minor += 1
@@ -221,8 +249,8 @@ def _alignment_findings(
     message = (
         f"{'this layer has a size' if count == 1 else f'{count} layers have sizes'} that "
         f"{'is' if count == 1 else 'are'} not a multiple of 8 ({share:.0%} of the model's "
-        f"multiply-adds); Tensor Cores (and AMX tiles) run at full speed only on multiples "
-        f"of 8: {changes}."
+        f"multiply-adds, each at least 2**20 a sample); Tensor Cores (and AMX tiles) run at "
+        f"full speed only on multiples of 8: {changes}."
     )
     if minor:
         message += (
@@ -241,15 +269,52 @@ def check_model(model: keras.Model) -> list[Finding]:
       feeds the loss: it produces a model output, directly or through
       pass-through layers (a float32 `Activation("linear")` cast after a
       float16 softmax still feeds the loss a float16 softmax);
+    * float model inputs (a `keras.Input` without `dtype`) cast to
+      float16/bfloat16 on their way to an `Embedding` (or another index
+      lookup), which then looks up other rows than the ids say;
     * hidden layers whose size (units, filters) is not a multiple of 8,
       which Tensor Cores need for full speed, grouped in one finding; only
-      layers with at least `MIN_COMPUTE_SHARE` of the model's multiply-adds
-      count, and output sizes (set by the task, such as a class count, also
-      behind a float32 softmax head) are not reported;
-    * float16 computation with no loss scale.
+      layers with at least `MIN_MULTIPLY_ADDS` multiply-adds a sample and
+      `MIN_COMPUTE_SHARE` of the model's count, and output sizes (set by
+      the task, such as a class count, also behind a float32 head or
+      normalization, activation, cropping and padding layers) are not
+      reported;
+    * float16 computation with no loss scale (also a `train_step` of your
+      own that, once traced, is known never to scale its loss).
 
-    A correct model gives an empty list. Layers are named in each finding.
+    A subclassed model's tracked sub-models (a VAE's encoder and decoder)
+    are checked too, and a `"not_checked"` finding says what could not be
+    (the operations of its own `call`). A correct functional model gives an
+    empty list. Layers are named in each finding.
+
+    Args:
+        model: a Keras model, built.
+
+    Returns:
+        A list of `Finding`s.
     """
+    findings = _check(model)
+    if any(_compute_dtype(layer) == "float16"
+           for layer in _low_precision_layers(model._flatten_layers(include_self=False))):
+        findings += _loss_scale_findings(model)
+    return findings
+
+
+def _low_precision_layers(layers: Any) -> list[Any]:
+    return [layer for layer in layers if _compute_dtype(layer) in _LOW_PRECISION]
+
+
+def _has_graph(model: Any) -> bool:
+    return isinstance(model, keras.Sequential) or hasattr(model, "_run_through_graph")
+
+
+def _sub_models(model: keras.Model) -> list[keras.Model]:
+    return [layer for layer in model._flatten_layers(include_self=False, recursive=False)
+            if isinstance(layer, keras.Model)]
+
+
+def _check(model: keras.Model) -> list[Finding]:
+    """Every finding but the loss scale's, for `model` and its sub-models."""
     findings: list[Finding] = []
     layers = [layer for layer in model._flatten_layers(include_self=False)]
     low_precision = [layer for layer in layers if _compute_dtype(layer) in _LOW_PRECISION]
@@ -296,18 +361,91 @@ def check_model(model: keras.Model) -> list[Finding]:
                 "dtype='float32'.", (layer.name,),
             ))
 
+    sub_models = [] if _has_graph(model) else _sub_models(model)
+    if sub_models:  # their layers are checked with them, once
+        inside = {id(layer) for sub_model in sub_models
+                  for layer in sub_model._flatten_layers(include_self=True)}
+        layers = [layer for layer in layers if id(layer) not in inside]
+        low_precision = [layer for layer in low_precision if id(layer) not in inside]
+    findings += _float_index_findings(layers)
     findings += _alignment_findings(layers, low_precision, _output_size_layers(output_layers))
+    if not _has_graph(model):
+        checked = []
+        for sub_model in sub_models:
+            checked.append(sub_model.name)
+            findings += [
+                Finding(f.layer, f.kind, f"in sub-model {sub_model.name!r}: {f.message}", f.layers)
+                for f in _check(sub_model)
+            ]
+        seen = f"; its sub-models {', '.join(map(repr, checked))} are" if checked else ""
+        findings.append(Finding(
+            model.name, "not_checked",
+            f"{type(model).__name__} is subclassed: the operations written in its own call() "
+            f"(and train_step) are not checked, only its layers{seen}.", (model.name,),
+        ))
+    return findings
 
-    if any(_compute_dtype(layer) == "float16" for layer in low_precision):
-        source = LossScaleSource.of(model)
-        # An uncompiled model has not chosen its loss scale yet.
-        compiled = getattr(model, "optimizer", None) is not None or source.loss_scale is not None
-        missing = compiled and not source.active
-        if missing:
-            findings.append(Finding(
-                model.name, "missing_loss_scale",
-                "layers compute in float16 but no loss scale is in use: small "
-                "gradients underflow to zero. Use loss_scale='auto' or a "
-                "DynamicLossScale.", (model.name,),
-            ))
+
+def _loss_scale_findings(model: keras.Model) -> list[Finding]:
+    source = LossScaleSource.of(model)
+    # An uncompiled model has not chosen its loss scale yet.
+    compiled = getattr(model, "optimizer", None) is not None or source.loss_scale is not None
+    if not compiled or source.active:
+        return []
+    return [Finding(
+        model.name, "missing_loss_scale",
+        "layers compute in float16 but no loss scale is in use: small "
+        "gradients underflow to zero. Use loss_scale='auto' or a "
+        "DynamicLossScale (in your own train_step, scale the loss: "
+        "loss = self.optimizer.scale_loss(loss)).", (model.name,),
+    )]
+
+
+def _input_tensors(layer: Any) -> list[Any]:
+    tensors = []
+    for node in getattr(layer, "_inbound_nodes", []):
+        tensors.extend(t for t in getattr(node, "input_tensors", []) if hasattr(t, "_keras_history"))
+    return tensors
+
+
+def _casts_floats(layer: Any) -> bool:
+    return _compute_dtype(layer) in _LOW_PRECISION and getattr(layer, "autocast", True)
+
+
+def _float_index_findings(layers: list[Any]) -> list[Finding]:
+    """Index lookups whose ids come from a float model input and reach them
+    cast to float16/bfloat16 (by a layer on the way, or the layer that holds
+    the lookup)."""
+    findings = []
+    for host in layers:
+        lookups = [inner for inner in host._flatten_layers(include_self=True)
+                   if isinstance(inner, _INDEX_LOOKUPS)]
+        if not lookups:
+            continue
+        casts_on_entry = host not in lookups and _casts_floats(host)
+        cast_to: str | None = _compute_dtype(host) if casts_on_entry else None
+        frontier = [(tensor, cast_to) for tensor in _input_tensors(host)]
+        seen: set[int] = set()
+        while frontier:
+            tensor, cast = frontier.pop()
+            dtype = keras.backend.standardize_dtype(tensor.dtype)
+            if "float" not in dtype or id(tensor) in seen:
+                continue  # integer ids are exact
+            seen.add(id(tensor))
+            cast = cast or (dtype if dtype in _LOW_PRECISION else None)
+            producer = tensor._keras_history[0]
+            if isinstance(producer, keras.layers.InputLayer):
+                if cast is not None:
+                    findings.append(Finding(
+                        host.name, "float_index_input",
+                        f"the ids come from the float model input {producer.name!r} (a "
+                        f"keras.Input without dtype) and reach the {type(lookups[0]).__name__} "
+                        f"in {host.name!r} cast to {cast}, where ids above "
+                        f"{_EXACT_FLOAT_IDS[cast]} are rounded to other ids: the wrong rows are "
+                        f"looked up. Declare the ids as integers: keras.Input(..., dtype='int32').",
+                        (host.name,),
+                    ))
+                    break
+                continue
+            frontier.extend((t, cast) for t in _input_tensors(producer))
     return findings

@@ -73,8 +73,10 @@ class MixedPrecisionHyperModel(kt.HyperModel):
         loss_scale_space: optional `{argument: [values]}` over
             `DynamicLossScale` arguments, e.g.
             `{"initial_scale": [2**10, 2**15], "hysteresis": [1, 2]}`; each
-            becomes a hyperparameter `"loss_scale_<argument>"` and the trial's
-            model gets that `DynamicLossScale`.
+            becomes a hyperparameter `"loss_scale_<argument>"`, active only
+            in trials whose policy computes in float16 (loss scaling does
+            nothing for float32 and bfloat16), and those trials' models get
+            that `DynamicLossScale`. Needs a float16 policy among `policies`.
         name, tunable: as for `kt.HyperModel`.
     """
 
@@ -107,6 +109,13 @@ class MixedPrecisionHyperModel(kt.HyperModel):
         self.hypermodel = hypermodel
         self.policies = policies
         self.loss_scale_space = {k: list(v) for k, v in (loss_scale_space or {}).items()}
+        self._float16_policies = [
+            p for p in policies if keras.dtype_policies.get(p).compute_dtype == "float16"
+        ]
+        if self.loss_scale_space and not self._float16_policies:
+            fail("MixedPrecisionHyperModel", "loss_scale_space", loss_scale_space,
+                 f"given only with a float16 policy among the policies ({', '.join(policies)} "
+                 "compute in float32 or bfloat16, where a loss scale does nothing)")
 
     def build(self, hp: kt.HyperParameters) -> keras.Model:
         policy = hp.Choice(POLICY_HP, self.policies)
@@ -121,10 +130,13 @@ class MixedPrecisionHyperModel(kt.HyperModel):
                         "MixedPrecisionHyperModel: `loss_scale_space` needs the build "
                         f"function to return a MixedPrecisionModel; got {type(model).__name__}."
                     )
-                model.set_loss_scale(DynamicLossScale(**{
-                    argument: hp.Choice(LOSS_SCALE_HP_PREFIX + argument, values)
-                    for argument, values in self.loss_scale_space.items()
-                }))
+                with hp.conditional_scope(POLICY_HP, self._float16_policies):
+                    settings = {
+                        argument: hp.Choice(LOSS_SCALE_HP_PREFIX + argument, values)
+                        for argument, values in self.loss_scale_space.items()
+                    }
+                if policy in self._float16_policies:
+                    model.set_loss_scale(DynamicLossScale(**settings))
         return model
 
     def fit(self, hp: kt.HyperParameters, model: keras.Model, *args: Any, **kwargs: Any) -> Any:

@@ -207,7 +207,8 @@ def test_headroom_monitor_logs_every_layer_and_warns_before_overflow():
     assert len(monitor.history) == 2
     probe_max = float(np.max(np.abs(model.get_layer("pre")(x[:4]).numpy().astype("float32"))))
     assert history.history["headroom/boost"][0] > 0.05
-    assert {"headroom/pre", "headroom/boost", "headroom/head"} <= set(history.history)
+    # float16 layers only: the float32 head has float32's range.
+    assert {k for k in history.history if k.startswith("headroom/")} == {"headroom/pre", "headroom/boost"}
     last = monitor.history[-1]["headroom"]
     assert last["boost"] == pytest.approx(probe_max * 2e4 / 65504.0, rel=5e-3)
 

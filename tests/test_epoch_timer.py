@@ -144,7 +144,7 @@ def test_validation_time_is_logged_only_when_asked_and_evaluate_outside_fit_is_i
 
 def test_zero_length_and_one_sample_epochs():
     timer = mp.EpochTimer()
-    timer.set_model(_compiled_model_with_sample_count(1))
+    timer.set_model(_compiled_model_with_sample_count(2))
     timer._clock = _Clock(0.0, 1.0, 1.0, 2.0, 4.0)
     timer.on_train_begin()
     timer.on_epoch_begin(0)
@@ -153,8 +153,8 @@ def test_zero_length_and_one_sample_epochs():
     assert timer.records[0]["steps_per_sec"] == 0.0 and timer.records[0]["samples_per_sec"] is None
     timer.on_epoch_begin(1)
     timer.on_train_batch_end(0)
-    timer.on_epoch_end(1, {})  # one sample in 2 s
-    assert timer.records[1]["samples"] == 1.0 and timer.records[1]["samples_per_sec"] == 0.5
+    timer.on_epoch_end(1, {})  # two samples in 2 s
+    assert timer.records[1]["samples"] == 2.0 and timer.records[1]["samples_per_sec"] == 1.0
 
 
 def test_a_model_whose_samples_cannot_be_counted_is_told_once(caplog):
@@ -180,3 +180,22 @@ def test_a_model_whose_samples_cannot_be_counted_is_told_once(caplog):
 
 def test_batch_size_of_one_is_accepted():
     assert mp.EpochTimer(batch_size=1).batch_size == 1
+
+
+def test_samples_per_sec_is_right_or_absent_for_the_guides_own_train_step():
+    # The guide's step updates the loss tracker with the scalar loss, so
+    # the tracker counts steps, not samples.
+    from keras_io_models import GuideModel, guide_model
+
+    x = np.ones((32, 4), "float32")
+    y = np.zeros((32, 1), "float32")
+    stock_step = type("StockGuide", (keras.Model,), {"train_step": GuideModel.train_step.__wrapped__})
+    counted = {}
+    for base in (GuideModel, stock_step):
+        model = guide_model(base)
+        model.compile("sgd", "mse")
+        timer = mp.EpochTimer()
+        history = model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[timer]).history
+        counted[base] = (timer.records[0]["samples"], "samples_per_sec" in history)
+    assert counted[GuideModel] == (32.0, True)  # counted from the batches
+    assert counted[stock_step] == (None, False)  # not 4 samples: absent

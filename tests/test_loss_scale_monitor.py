@@ -264,3 +264,36 @@ def test_a_skipped_steps_entry_already_in_the_logs_is_kept():
     logs = {"skipped_steps": 0.0}
     monitor.on_epoch_end(0, logs)
     assert logs == {"skipped_steps": 0.0, "loss_scale": 8.0}
+
+
+def test_calibrating_down_from_initial_scale_is_not_warned_about_but_recorded(caplog):
+    x, _ = classification_data(n=32)
+    targets = np.full((32, 1), 1e4, "float32")
+    # Gradients of about 1e4 times 2**120 overflow float32 on the first
+    # step; at 2**20 it trains.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    model = mp.MixedPrecisionModel(inputs, keras.layers.Dense(1)(inputs), loss_scale=mp.DynamicLossScale(
+        initial_scale=2.0**120, backoff_factor=2.0**-100, max_scale=2.0**120))
+    model.compile(keras.optimizers.SGD(1e-6), "mse")
+    monitor = mp.LossScaleMonitor(every_n_steps=1)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO, "mp_callbacks"):
+        warnings.simplefilter("always")
+        history = model.fit(x, targets, batch_size=8, epochs=1, verbose=0, shuffle=False,
+                            callbacks=[monitor]).history
+    assert history["skipped_steps"] == [1.0]  # still in the logs
+    assert not [w for w in caught if "were skipped" in str(w.message)]
+    assert [r["loss_scale"] for r in monitor.history][:2] == [2.0**20, 2.0**20]
+    assert model.loss_scale.diagnostics()["calibration_steps"] == 1
+    assert any("came down from its initial_scale" in r.getMessage() for r in caplog.records)
+    # A bad batch is not calibration, even first: its loss is not finite.
+    model = _scale_model(initial_scale=4.0)
+    x_bad = x.copy()
+    x_bad[:8] = np.inf
+    _, y = classification_data(n=32)
+    with pytest.warns(mp.MixedPrecisionWarning, match="1 of 4 steps"):
+        model.fit(x_bad, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
+                  callbacks=[mp.LossScaleMonitor()])
+    assert model.loss_scale.diagnostics()["calibration_steps"] == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 
 import keras
+import numpy as np
 import pytest
 
 import mp_callbacks as mp
@@ -59,9 +60,105 @@ def test_bfloat16_normalization_output_is_named():
 
 def test_sizes_not_multiple_of_eight_are_named_but_not_the_output():
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    findings = mp.check_model(_mlp(output_dtype="float32", hidden=12))
+    inputs = keras.Input((2048,))
+    x = keras.layers.Dense(1020, activation="relu", name="hidden")(inputs)  # 2.1M multiply-adds
+    outputs = keras.layers.Dense(10, activation="softmax", dtype="float32", name="out")(x)
+    findings = mp.check_model(keras.Model(inputs, outputs))
     assert _kinds(findings) == [("tensor_core_alignment", "hidden")]
-    assert "hidden units=12 -> 16" in findings[0].message and findings[0].layers == ("hidden",)
+    assert "hidden units=1020 -> 1024" in findings[0].message and findings[0].layers == ("hidden",)
+    assert "at least 2**20 a sample" in findings[0].message
+
+
+def test_alignment_is_not_advised_for_layers_too_small_for_it_to_matter():
+    # A keras-tuner trial's 4-unit hidden layer: most of a tiny model's
+    # multiply-adds, but 3,136 a sample, far below what tiles could speed up.
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    inputs = keras.Input((784,))
+    x = keras.layers.Dense(4, activation="relu", name="hidden")(inputs)
+    outputs = keras.layers.Dense(10, activation="softmax", dtype="float32")(x)
+    assert mp.check_model(keras.Model(inputs, outputs)) == []
+
+
+def test_the_output_size_exemption_follows_shape_preserving_layers():
+    # A GAN generator's one-channel image: Conv2D(1) -> BatchNormalization
+    # -> tanh -> Cropping2D. Its one filter is the output's, not a choice.
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    inputs = keras.Input((64, 64, 64))
+    x = keras.layers.Conv2D(1, 5, padding="same", name="to_image")(inputs)
+    x = keras.layers.BatchNormalization()(x)
+    x = keras.layers.Activation("tanh")(x)
+    x = keras.layers.Cropping2D(2)(x)
+    outputs = keras.layers.Activation("linear", dtype="float32")(x)
+    model = mp.MixedPrecisionModel(inputs, outputs)
+    assert "tensor_core_alignment" not in [f.kind for f in mp.check_model(model)]
+
+
+def _transformer_classifier(ids_dtype=None, policy="mixed_bfloat16"):
+    # keras-io's text classification with a Transformer: token ids from an
+    # untyped keras.Input reach the Embedding inside a custom layer.
+    keras.mixed_precision.set_global_policy(policy)
+
+    class TokenAndPositionEmbedding(keras.layers.Layer):
+        def __init__(self, maxlen, vocab_size, embed_dim):
+            super().__init__()
+            self.token_emb = keras.layers.Embedding(vocab_size, embed_dim)
+            self.pos_emb = keras.layers.Embedding(maxlen, embed_dim)
+
+        def call(self, x):
+            positions = keras.ops.arange(0, keras.ops.shape(x)[-1], 1)
+            return self.token_emb(x) + self.pos_emb(positions)
+
+    inputs = keras.Input((4,), dtype=ids_dtype)
+    x = TokenAndPositionEmbedding(4, 20000, 8)(inputs)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    outputs = keras.layers.Dense(2, activation="softmax", dtype="float32")(x)
+    return keras.Model(inputs, outputs)
+
+
+@pytest.mark.parametrize("policy, exact", [("mixed_bfloat16", 256), ("mixed_float16", 2048)])
+def test_float_ids_cast_to_low_precision_before_an_embedding_are_named(policy, exact):
+    model = _transformer_classifier(policy=policy)
+    findings = [f for f in mp.check_model(model) if f.kind == "float_index_input"]
+    assert len(findings) == 1
+    message = findings[0].message
+    assert f"ids above {exact} are rounded" in message and "dtype='int32'" in message
+    # The harm is real: rounded ids look up other rows.
+    ids = np.array([[4001.0, 1001.0, 257.0, 3.0]], "float32")
+    embedding = model.layers[1].token_emb
+    rows = embedding(ids.astype("int32")).numpy()
+    looked_up = embedding(keras.ops.cast(ids, policy.split("_")[1])).numpy()
+    wrong = [not np.array_equal(looked_up[0, i], rows[0, i]) for i in range(4)]
+    bfloat16 = policy == "mixed_bfloat16"
+    assert wrong == [True, bfloat16, bfloat16, False]
+    assert mp.check_model(_transformer_classifier(ids_dtype="int32", policy=policy)) == []
+
+
+def test_a_subclassed_models_sub_models_are_checked_and_the_rest_said():
+    from keras_io_models import vae
+
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    model = vae()
+    model.decoder.layers[-1].dtype_policy = keras.dtype_policies.get("mixed_bfloat16")  # a bfloat16 sigmoid
+    findings = mp.check_model(model)
+    kinds = _kinds(findings)
+    assert ("not_checked", model.name) in kinds
+    feeding = [f for f in findings if f.kind in ("output_dtype", "low_precision_output_op")]
+    assert feeding and "in sub-model 'decoder'" in feeding[0].message
+    note = [f for f in findings if f.kind == "not_checked"][0].message
+    assert "call()" in note and "'encoder'" in note and "'decoder'" in note
+
+
+def test_the_compile_warning_is_not_given_again_when_the_model_is_loaded(tmp_path):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = _mlp()
+    with pytest.warns(mp.MixedPrecisionWarning, match=r"\[output_dtype\] out"):
+        model.compile("sgd", "sparse_categorical_crossentropy")
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mp.MixedPrecisionWarning)
+        for _ in range(2):  # every ModelCheckpoint reload
+            keras.models.load_model(path)
 
 
 def test_missing_loss_scale_under_float16():
@@ -131,7 +228,7 @@ def test_the_linear_cast_remedy_clears_a_float16_logits_output():
 
 def test_alignment_is_kept_for_layers_that_carry_compute_and_grouped():
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    inputs = keras.Input((16, 16, 8))
+    inputs = keras.Input((32, 32, 8))
     x = keras.layers.Conv2D(30, 3, padding="same", name="wide")(inputs)
     x = keras.layers.Conv2D(20, 3, padding="same", name="wide2")(x)
     pooled = keras.layers.GlobalAveragePooling2D(keepdims=True)(x)
@@ -147,7 +244,7 @@ def test_alignment_is_kept_for_layers_that_carry_compute_and_grouped():
     assert finding.kind == "tensor_core_alignment" and finding.layers == ("wide", "wide2")
     assert finding.layer == "wide, wide2"
     assert "wide filters=30 -> 32, wide2 filters=20 -> 24" in finding.message
-    assert "(2 more such layers, each under 1% of the compute, not listed.)" in finding.message
+    assert "se_" not in finding.message  # far too small to matter
 
 
 # ---------------------------------------------- real models: applications

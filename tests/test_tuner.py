@@ -65,22 +65,28 @@ def test_search_with_the_three_callbacks_and_epoch_time_objective(kind, tmp_path
     assert best.get_layer("hidden").compute_dtype == expected
 
 
-def test_accuracy_and_epoch_time_together_and_loss_scale_space(tmp_path):
-    tuner = kt.RandomSearch(
-        MixedPrecisionHyperModel(build_model, policies=["mixed_bfloat16"],
+def test_accuracy_and_epoch_time_together_and_loss_scale_space_for_float16_trials_only(tmp_path):
+    tuner = kt.GridSearch(
+        MixedPrecisionHyperModel(build_model, policies=["float32", "mixed_float16"],
                                  loss_scale_space={"initial_scale": [256.0, 1024.0]}),
         objective=[kt.Objective("val_accuracy", "max"), kt.Objective("epoch_time", "min")],
-        max_trials=2, directory=str(tmp_path), project_name="multi", overwrite=True, seed=3,
+        max_trials=6, directory=str(tmp_path), project_name="multi", overwrite=True,
     )
     tuner.search(X, Y, epochs=1, batch_size=32, validation_data=(X_VAL, Y_VAL),
                  callbacks=[mp.EpochTimer(), mp.LossScaleMonitor()], verbose=0)
+    seen = set()
     for trial in tuner.oracle.trials.values():
         assert trial.status == "COMPLETED"
-        chosen = trial.hyperparameters.get("loss_scale_initial_scale")
-        assert trial.metrics.get_history("loss_scale")[0].value == [chosen]
-    best_hp = tuner.get_best_hyperparameters(1)[0]
-    best = tuner.get_best_models(1)[0]
-    assert best.loss_scale.initial_scale == best_hp.get("loss_scale_initial_scale")
+        policy = trial.hyperparameters.get("dtype_policy")
+        logged = trial.metrics.get_history("loss_scale")[0].value
+        if policy == "mixed_float16":
+            chosen = trial.hyperparameters.get("loss_scale_initial_scale")
+            assert logged == [chosen]
+        else:  # no loss scale where it would do nothing
+            assert not trial.hyperparameters.is_active("loss_scale_initial_scale")
+            assert logged == [1.0]
+        seen.add((policy, logged[0]))
+    assert seen == {("float32", 1.0), ("mixed_float16", 256.0), ("mixed_float16", 1024.0)}
 
 
 def test_policy_scope_restores_on_error():
@@ -95,7 +101,9 @@ def test_policy_scope_restores_on_error():
 @pytest.mark.parametrize(
     "kwargs, name",
     [(dict(policies=["float64"]), "policies"), (dict(policies=[]), "policies"),
-     (dict(loss_scale_space={"scale": [1.0]}), "loss_scale_space")],
+     (dict(loss_scale_space={"scale": [1.0]}), "loss_scale_space"),
+     (dict(policies=["float32", "mixed_bfloat16"], loss_scale_space={"hysteresis": [1, 2]}),
+      "loss_scale_space")],
 )
 def test_bad_arguments_are_named(kwargs, name):
     with pytest.raises(ValueError, match=f"`{name}`"):
@@ -105,7 +113,7 @@ def test_bad_arguments_are_named(kwargs, name):
 def test_loss_scale_space_needs_a_mixed_precision_model():
     hypermodel = MixedPrecisionHyperModel(
         lambda hp: keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]),
-        loss_scale_space={"hysteresis": [1, 2]},
+        policies=["mixed_float16"], loss_scale_space={"hysteresis": [1, 2]},
     )
     with pytest.raises(TypeError, match="MixedPrecisionModel"):
         hypermodel.build(kt.HyperParameters())
