@@ -18,12 +18,16 @@ Public API:
   `HeadroomMonitor`: each layer's share of its dtype's range, in the logs.
 * `recommend_policy()`, `inspect_hardware()`: which dtype policy this
   machine can speed up.
+* `autotune(build, x, y)`: a measured `PrecisionPlan` for your model: the
+  policy, the layers to keep in float32, the initial loss scale, proven by
+  a side-by-side run; `float32_copy(model)` for serving.
 """
 
 from mp_callbacks._backend import package_version as _package_version
+from mp_callbacks.autotune import autotune
 from mp_callbacks.diagnosis import PrecisionReport, diagnose_batch
 from mp_callbacks.epoch_timer import EpochTimer
-from mp_callbacks.float32_layers import with_float32_layers
+from mp_callbacks.float32_layers import float32_copy, with_float32_layers
 from mp_callbacks.errors import MixedPrecisionWarning, NonFiniteGradientError, UnsupportedArgumentError
 from mp_callbacks.hardware import POLICIES, inspect_hardware, recommend_policy
 from mp_callbacks.headroom_monitor import HeadroomMonitor
@@ -33,6 +37,8 @@ from mp_callbacks.loss_scale_optimizer import LossScaleOptimizer
 from mp_callbacks.model import LOG_KEYS, MixedPrecisionModel
 from mp_callbacks.model_checks import Finding, check_model
 from mp_callbacks.nan_gradient_monitor import NaNGradientMonitor
+from mp_callbacks.precision_plan import PrecisionPlan
+from mp_callbacks.speed_comparison import SpeedComparison
 
 __version__ = _package_version()
 
@@ -44,6 +50,10 @@ __all__ = [
     "PrecisionReport",
     "diagnose_batch",
     "with_float32_layers",
+    "float32_copy",
+    "autotune",
+    "PrecisionPlan",
+    "SpeedComparison",
     "check_model",
     "LossScaleMonitor",
     "LossScaleOptimizer",

@@ -49,9 +49,9 @@ def global_seed_generator_state() -> Any:
     """The state variable of Keras's global SeedGenerator (which
     `keras.random.*` ops without a seed advance), or None before one exists."""
     from keras.src.backend.common import global_state
-    from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
 
-    generator = global_state.get_global_attribute(GLOBAL_SEED_GENERATOR)
+    # The attribute's name: a constant since Keras 3.11, the same string before.
+    generator = global_state.get_global_attribute("global_seed_generator")
     return None if generator is None else generator.state
 
 
@@ -197,7 +197,7 @@ INTERNALS = (
              "model.py: logs shaped [1] only under a real multi-worker strategy", _multi_worker_mode_flag),
     Internal("Layer._flatten_layers(include_self, recursive), Functional._run_through_graph",
              "model.py, model_checks.py, diagnosis.py (finding every layer)", _layer_walk),
-    Internal("keras.src.random.seed_generator global SeedGenerator (GLOBAL_SEED_GENERATOR)",
+    Internal("keras.src.backend.common.global_state 'global_seed_generator' (a SeedGenerator)",
              "headroom_monitor.py (its probe leaves the global seed as it was)",
              _global_seed_generator),
     Internal("Layer._dtype_policy (swapped for the float32 replay)",

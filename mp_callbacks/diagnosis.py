@@ -6,9 +6,10 @@ wrapped for the duration, so functional, Sequential and subclassed models
 are all seen at the granularity of their layers). The forward pass names
 the first layer whose output is not finite; the backward pass, at the
 model's current loss scale, names the first layer (nearest the loss first)
-whose gradient goes non-finite, weightless layers included. It costs one
-forward and one backward pass, only when asked for: `NaNGradientMonitor`
-calls it once, at divergence, on the batch `MixedPrecisionModel` kept.
+whose gradient goes non-finite, weightless layers included. It costs two
+forward passes (one with every layer in float32, for reference) and one
+backward pass, only when asked for: `NaNGradientMonitor` calls it once, at
+divergence, on the batch `MixedPrecisionModel` kept.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class LayerRecord:
     output_finite: bool
     gradient_finite: bool | None = None
     underflow: float | None = None
+    gradient_max: float | None = None
 
 
 @dataclass
@@ -94,6 +96,8 @@ class PrecisionReport:
         reference_max: layer name -> largest |output| when the same batch
             runs with every layer in float32: the magnitude a layer that
             overflowed should have held.
+        gradient_max: layer name -> largest |gradient| of the unscaled
+            loss with respect to the layer's inputs, own weights or output.
     """
 
     first_nonfinite_layer: str | None
@@ -109,6 +113,7 @@ class PrecisionReport:
     notes: list[str] = field(default_factory=list)
     layers: list[LayerRecord] = field(default_factory=list)
     reference_max: dict[str, float] = field(default_factory=dict)
+    gradient_max: dict[str, float] = field(default_factory=dict)
 
     def __str__(self) -> str:
         header = ("layer", "dtype", "max |output|", "in float32", "range used", "grad underflow",
@@ -176,11 +181,14 @@ def _inspected_layers(model: keras.Model) -> list[Any]:
 
 
 @contextlib.contextmanager
-def recording_layers(model: keras.Model, tape: Any = None) -> Iterator[list[tuple[Any, list[Any], list[Any]]]]:
+def recording_layers(
+    model: keras.Model, tape: Any = None, arguments: list[tuple[Any, tuple, dict]] | None = None,
+) -> Iterator[list[tuple[Any, list[Any], list[Any]]]]:
     """While active, every call of one of `model`'s layers appends
     `(layer, floating inputs, floating outputs)` to the yielded list (in
-    order of completion: forward order), watching them on `tape` if given.
-    The layers are restored on exit."""
+    order of completion: forward order), watching them on `tape` if given,
+    and `(layer, args, kwargs)` to `arguments` if given. The layers are
+    restored on exit."""
     records: list[tuple[Any, list[Any], list[Any]]] = []
 
     def wrap(layer: Any, original: Any) -> Any:
@@ -195,6 +203,8 @@ def recording_layers(model: keras.Model, tape: Any = None) -> Iterator[list[tupl
                 for tensor in flat_outputs:
                     tape.watch(tensor)
             records.append((layer, inputs, flat_outputs))
+            if arguments is not None:
+                arguments.append((layer, args, kwargs))
             return outputs
 
         return recorded_call
@@ -210,11 +220,12 @@ def recording_layers(model: keras.Model, tape: Any = None) -> Iterator[list[tupl
 
 
 @contextlib.contextmanager
-def computing_in_float32(model: keras.Model) -> Iterator[None]:
-    """While active, every layer of `model` computes in float32 (its dtype
-    policy is swapped, then restored; variables are untouched)."""
+def computing_in_float32(model: keras.Model, layers: list[Any] | None = None) -> Iterator[None]:
+    """While active, every layer of `model` (or the given `layers`)
+    computes in float32 (its dtype policy is swapped, then restored;
+    variables are untouched)."""
     swapped = []
-    for layer in _inspected_layers(model):
+    for layer in _inspected_layers(model) if layers is None else layers:
         policy = getattr(layer, "_dtype_policy", None)
         if policy is None or getattr(policy, "quantization_mode", None) is not None:
             continue  # quantized layers keep their own kernels
@@ -371,16 +382,22 @@ def diagnose_batch(
         notes.append("no loss was computed (pass y and compile the model): backward "
                       "origin and underflow are not reported.")
     else:
-        watched_inputs = {id(layer): [t for ins, _ in calls[id(layer)] for t in ins] for layer in order}
-        watched_outputs = {id(layer): [t for _, outs in calls[id(layer)] for t in outs] for layer in order}
+        # Every layer's inputs, own weights and outputs, in one backward pass.
+        spans, targets = [], []
         for layer in order:
-            weights = _own_trainable_weights(layer)
-            targets = watched_inputs[id(layer)] + weights
-            grads = [g for g in tape.gradient(scaled_loss, targets) if g is not None] if targets else []
+            ins = [t for inputs, _ in calls[id(layer)] for t in inputs] + _own_trainable_weights(layer)
+            outs = [t for _, outputs in calls[id(layer)] for t in outputs]
+            spans.append((layer, len(targets), len(ins), len(outs)))
+            targets += ins + outs
+        gradients = tape.gradient(scaled_loss, targets) if targets else []
+        for layer, start, n_in, n_out in spans:
+            grads = [g for g in gradients[start:start + n_in] if g is not None]
             grads = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
             record = layer_records[layer.name]
             record.gradient_finite = _all_finite(grads) if grads else True
-            out_grads = [g for g in tape.gradient(scaled_loss, watched_outputs[id(layer)]) if g is not None]
+            out_grads = [g for g in gradients[start + n_in:start + n_in + n_out] if g is not None]
+            if grads or out_grads:
+                record.gradient_max = _abs_max(grads + out_grads) / float(loss_scale)
             if out_grads:
                 tiny = dtype_tiny(out_grads[0].dtype)
                 total = sum(int(tf.size(g)) for g in out_grads)
@@ -433,4 +450,5 @@ def diagnose_batch(
         notes=notes,
         layers=ordered,
         reference_max=reference_max,
+        gradient_max={r.name: r.gradient_max for r in ordered if r.gradient_max is not None},
     )

@@ -8,7 +8,7 @@ from typing import Any, Iterable
 from mp_callbacks._backend import keras
 from mp_callbacks._validation import fail
 
-__all__ = ["with_float32_layers"]
+__all__ = ["float32_copy", "with_float32_layers"]
 
 
 def _layer_configs(config: dict[str, Any]) -> list[dict[str, Any]]:
@@ -75,4 +75,46 @@ def with_float32_layers(model: keras.Model, names: Iterable[str]) -> keras.Model
         optimizer = model.optimizer
         compile_config["optimizer"] = type(optimizer).from_config(optimizer.get_config())
         clone.compile(**compile_config)
+    return clone
+
+
+def float32_copy(model: keras.Model) -> keras.Model:
+    """A float32 copy of a (mixed-precision trained) model, for serving on
+    hardware without fast low precision: every layer computes in float32,
+    the weights are the same, and it is a plain `keras.Model` (or
+    `keras.Sequential`), uncompiled, that needs no mp_callbacks to load or
+    `export()`.
+
+    Args:
+        model: a functional or Sequential model (a `MixedPrecisionModel`
+            included).
+
+    Returns:
+        The float32 copy.
+
+    Example:
+
+    ```python
+    import keras
+    import mp_callbacks as mp
+
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(2, dtype="mixed_bfloat16")(inputs)
+    served = mp.float32_copy(mp.MixedPrecisionModel(inputs, outputs))
+    print(type(served).__name__, served.layers[-1].compute_dtype)  # Functional float32
+    ```
+    """
+    if not (isinstance(model, keras.Sequential) or hasattr(model, "_run_through_graph")):
+        fail("float32_copy", "model", model.name,
+             "a functional or Sequential model (a subclassed model: build it again under "
+             "the float32 policy and copy the weights with set_weights)")
+    config = copy.deepcopy(model.get_config())
+    config.pop("loss_scale", None)
+    float32 = keras.dtype_policies.serialize(keras.dtype_policies.get("float32"))
+    for layer_config in _layer_configs(config):
+        if "config" in layer_config and layer_config.get("class_name") != "InputLayer":
+            layer_config["config"]["dtype"] = float32
+    plain = keras.Sequential if isinstance(model, keras.Sequential) else keras.Model
+    clone = plain.from_config(config)
+    clone.set_weights(model.get_weights())
     return clone

@@ -225,6 +225,7 @@ def run_bench(
         train_samples=train_samples or preset.get("train_samples"),
         test_samples=test_samples or preset.get("test_samples"),
         repeats=repeats or preset.get("repeats", 1),
+        max_repeats=None if repeats else preset.get("max_repeats"),
         quiet=quiet,
     )
     data_description = _check_inputs(settings)
@@ -243,6 +244,8 @@ def run_bench(
         settings.batch_size, ", ".join(to_run), hardware.device_summary(),
     )
     results = compare(settings, in_subprocess=in_subprocess)
+    # Runs were added where the first ones did not separate.
+    settings.repeats = max(len(r.get("epoch_times_of_runs") or [None]) for r in results)
     recommended, why = verdict(results)
     return BenchReport(
         results=results,

@@ -1,7 +1,8 @@
-"""`mp-callbacks`: the command line (`bench` and `doctor`).
+"""`mp-callbacks`: the command line (`bench`, `tune` and `doctor`).
 
     mp-callbacks bench --quick
     mp-callbacks bench --model my_models.py:build --dataset data.npz --json out.json
+    mp-callbacks tune --quick
     mp-callbacks doctor
 
 Parsing and argument errors import neither TensorFlow nor Keras, so
@@ -72,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Mixed precision for Keras, measured on your own hardware.",
     )
     parser.add_argument("--version", action="version", version=f"{_PROG} {_version()}")
-    commands = parser.add_subparsers(dest="command", metavar="{bench,doctor}",
+    commands = parser.add_subparsers(dest="command", metavar="{bench,tune,doctor}",
                                      parser_class=_OneLineParser)
     commands.required = True
 
@@ -121,6 +122,52 @@ def build_parser() -> argparse.ArgumentParser:
                        help="plot epoch time, memory and accuracy per policy (.png, .svg or "
                             ".pdf; needs matplotlib)")
     bench.set_defaults(handler=_bench)
+
+    tune = commands.add_parser(
+        "tune",
+        help="find the fastest dtype policy for a model and the layers that must stay float32, "
+             "and prove it with a measured run",
+        description=(
+            "For each mixed policy this machine does not emulate (or those given), find on "
+            "the data the few layers that must compute in float32 (overflow, a share of "
+            "float16's range, or a large error against float32), then train the candidate "
+            "plans and float32 side by side, each in its own process, from the same weights "
+            "on the same batches, until their step times separate; print the plan, the "
+            "evidence, and the code to use it."
+        ),
+    )
+    tune.add_argument(
+        "--model", type=_model_spec, default=None, metavar="MODEL",
+        help="as for bench: mlp, cnn, MODULE:FUNCTION or path/to/file.py:FUNCTION "
+             "(default: mlp; cnn with --quick)")
+    tune.add_argument(
+        "--policies", nargs="+", metavar="POLICY", type=_policy_list,
+        help="the candidates (space or comma separated); the plan is the best of these, "
+             "whatever their speed here, and float32 is timed beside them (default: float32 "
+             "and every mixed policy the probe does not measure as emulated)")
+    tune.add_argument("--dataset", default="synthetic", help="as for bench")
+    tune.add_argument("--steps", type=_positive_int, default=None,
+                      help="the most training steps of the proof, per candidate (default 200)")
+    tune.add_argument("--time-budget", type=_positive_int, default=None, metavar="SECONDS",
+                      help="stop the proof after this many seconds (after its first 5 rounds)")
+    tune.add_argument("--batch-size", type=_positive_int, default=128)
+    tune.add_argument("--seed", type=int, default=0)
+    tune.add_argument("--train-samples", type=_positive_int, default=None,
+                      help="use only the first N training samples")
+    tune.add_argument("--tolerance", type=float, default=0.01,
+                      help="how far below float32's validation accuracy a plan may end (default 0.01)")
+    tune.add_argument("--quick", action="store_true",
+                      help="a preset of under 3 minutes on 2 CPU cores: cnn, 4,000 images, 60 steps")
+    tune.add_argument("--no-probe", action="store_true",
+                      help="do not measure the policies' speed first; judge from CPU/GPU features")
+    tune.add_argument("--quiet", action="store_true", help="print only the plan")
+    tune.add_argument("--json", metavar="PATH", help="write the plan and its evidence as JSON "
+                                                     "(mp.PrecisionPlan.from_json reads it)")
+    tune.add_argument("--markdown", metavar="PATH", help="write the plan as Markdown")
+    tune.add_argument("--plot", metavar="PATH",
+                      help="plot step time and validation metric per candidate (.png, .svg or "
+                           ".pdf; needs matplotlib)")
+    tune.set_defaults(handler=_tune)
 
     doctor = commands.add_parser(
         "doctor",
@@ -172,12 +219,13 @@ def _show_progress(enabled: bool) -> None:
     """The benchmark reports progress through logging; show it on stderr
     (warnings even under --quiet). The handler writes to this call's
     sys.stderr: main() may run again in one process with another stream."""
-    logger = logging.getLogger("mp_callbacks_bench")
-    logger.setLevel(logging.INFO if enabled else logging.WARNING)
     _PROGRESS_HANDLER.stream = sys.stderr  # (setStream would flush a closed old one)
-    if _PROGRESS_HANDLER not in logger.handlers:
-        logger.addHandler(_PROGRESS_HANDLER)
-        logger.propagate = False
+    for name in ("mp_callbacks_bench", "mp_callbacks.autotune"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.INFO if enabled else logging.WARNING)
+        if _PROGRESS_HANDLER not in logger.handlers:
+            logger.addHandler(_PROGRESS_HANDLER)
+            logger.propagate = False
 
 
 # ----------------------------------------------------------------- bench
@@ -257,6 +305,42 @@ def _bench(args: argparse.Namespace) -> int:
     for failure in failures:
         print(f"{_PROG} bench: error: {failure}", file=sys.stderr)
     return 1 if failures else 0
+
+
+def _tune(args: argparse.Namespace) -> int:
+    for flag in ("json", "markdown", "plot"):
+        if getattr(args, flag):
+            check_output_path(flag, getattr(args, flag))
+    if args.plot:
+        _require_matplotlib()
+    if not 0.0 < args.tolerance <= 1.0:
+        raise BenchError(f"--tolerance {args.tolerance}: must be in (0, 1]")
+    from mp_callbacks_bench.tune import plot_plan, run_tune
+
+    policies = [p for group in args.policies for p in group] if args.policies else None
+    plan = run_tune(
+        args.model, policies=policies, dataset=args.dataset, steps=args.steps,
+        time_budget=args.time_budget, batch_size=args.batch_size, seed=args.seed,
+        train_samples=args.train_samples, tolerance=args.tolerance, quick=args.quick,
+        probe=not args.no_probe,
+    )
+    print(plan)
+    failures: list[str] = []
+    if args.json:
+        _write(args.json, plan.to_json(), failures)
+    if args.markdown:
+        text = "\n".join([f"# Precision plan: {plan.policy}", "", "```text", plan.table(), "```", "",
+                          *(f"- {reason}" for reason in plan.reasons), "", "```python", plan.code,
+                          "```", ""])
+        _write(args.markdown, text, failures)
+    if args.plot:
+        try:
+            plot_plan(plan, args.plot)
+        except (OSError, ValueError) as error:
+            failures.append(f"cannot write {args.plot}: {error}")
+    for failure in failures:
+        print(f"{_PROG} tune: error: {failure}", file=sys.stderr)
+    return 130 if plan.interrupted else (1 if failures else 0)
 
 
 def _write(path: str, text: str, failures: list[str]) -> None:

@@ -90,13 +90,27 @@ def format_skipped(skipped: Sequence[dict[str, str]]) -> list[str]:
     return [f"not run: {item['policy']}: {item['reason']}" for item in skipped]
 
 
+def _paired(baseline: dict[str, Any], result: dict[str, Any]) -> Any:
+    """The run-by-run comparison (`mp.SpeedComparison`), when both policies
+    ran more than once: alternating runs pair up by their index."""
+    ours, theirs = result.get("epoch_times_of_runs") or [], baseline.get("epoch_times_of_runs") or []
+    if min(len(ours), len(theirs)) < 2:
+        return None
+    from mp_callbacks.speed_comparison import SpeedComparison  # (imports TensorFlow: only here)
+
+    return SpeedComparison([b / a for a, b in zip(ours, theirs) if a and b], min_speedup=MIN_SPEEDUP)
+
+
 def verdict(results: Sequence[dict[str, Any]]) -> tuple[str | None, str]:
     """The policy to use on this machine for this model, and why.
 
     A mixed policy is chosen when it did not diverge, ran at least
     `MIN_SPEEDUP` times float32's speed, and lost at most
-    `MAX_ACCURACY_DROP` of accuracy; the fastest such policy wins. Without
-    a float32 row there is nothing to compare with: (None, reason).
+    `MAX_ACCURACY_DROP` of accuracy; the fastest such policy wins. With
+    several alternating runs per policy, speed is judged run by run, by
+    `mp.SpeedComparison`'s rule: a policy whose runs are not all clearly
+    faster is a tie, and a tie is float32. Without a float32 row there is
+    nothing to compare with: (None, reason).
     """
     by_policy = {r["policy"]: r for r in results}
     baseline = by_policy.get("float32")
@@ -109,8 +123,14 @@ def verdict(results: Sequence[dict[str, Any]]) -> tuple[str | None, str]:
             continue
         speedup = result.get("speedup") or 0.0
         drop = _accuracy_drop(baseline, result)
+        paired = _paired(baseline, result)
         if result.get("diverged"):
             objections.append(f"{policy} diverged")
+        elif paired is not None and paired.verdict != "faster":
+            low, high = paired.quartiles
+            objections.append(
+                f"{policy} ran at {low:.2f}x to {high:.2f}x float32's speed over {paired.rounds} "
+                f"alternating runs: {'slower' if paired.verdict == 'slower' else 'a tie'}")
         elif speedup < MIN_SPEEDUP:
             slower = " (slower)" if speedup < 1.0 else ""
             objections.append(f"{policy} ran at {speedup:.2f}x float32's speed{slower}")

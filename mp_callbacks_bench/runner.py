@@ -161,11 +161,16 @@ def compare(settings: BenchSettings, in_subprocess: bool = True) -> list[dict[st
     `epoch_times_of_runs`, `epoch_time_min`/`_max`, `accuracy_min`/`_max`."""
     runner = run_in_subprocess if in_subprocess else run_policy
     runs: dict[str, list[dict[str, Any]]] = {policy: [] for policy in settings.policies}
-    for repeat in range(settings.repeats):
+    bound = max(settings.repeats, settings.max_repeats or 0)
+    for repeat in range(bound):
+        if repeat >= settings.repeats and _separated(runs):
+            break  # more runs would not change the verdict
         order = settings.policies if repeat % 2 == 0 else settings.policies[::-1]
         for policy in order:
             if not settings.quiet:
                 run = f" (run {repeat + 1}/{settings.repeats})" if settings.repeats > 1 else ""
+                if repeat >= settings.repeats:
+                    run = f" (run {repeat + 1}: the runs so far do not separate)"
                 logger.info("[%s] training %s%s ...", policy, settings.model, run)
             runs[policy].append(runner(policy, settings))
     results = []
@@ -184,6 +189,21 @@ def compare(settings: BenchSettings, in_subprocess: bool = True) -> list[dict[st
         if baseline is not None and result["epoch_time"]:
             result["speedup"] = baseline["epoch_time"] / result["epoch_time"]
     return results
+
+
+def _separated(runs: dict[str, list[dict[str, Any]]]) -> bool:
+    """True when every mixed policy's alternating runs clearly separate from
+    float32's (`mp.SpeedComparison.decided`)."""
+    from mp_callbacks.speed_comparison import SpeedComparison
+
+    baseline = [r["epoch_time"] for r in runs.get("float32", [])]
+    for policy, policy_runs in runs.items():
+        if policy == "float32" or not baseline:
+            continue
+        ratios = [b / r["epoch_time"] for b, r in zip(baseline, policy_runs) if r["epoch_time"]]
+        if not SpeedComparison(ratios).decided:
+            return False
+    return True
 
 
 def _worker(argv: list[str]) -> int:

@@ -38,6 +38,8 @@ class BenchSettings:
     train_samples: int | None = None
     test_samples: int | None = None
     repeats: int = 1
+    # More alternating runs, up to this many, while the runs do not separate.
+    max_repeats: int | None = None
     quiet: bool = False
 
 
@@ -45,4 +47,5 @@ class BenchSettings:
 # CNN (where mixed precision pays most), 8,000 images, 4 epochs (3 warm),
 # each policy run twice in alternation so that a burst of machine noise
 # cannot decide the table alone.
-QUICK = dict(model="cnn", epochs=4, train_samples=8000, test_samples=2000, repeats=2)
+QUICK = dict(model="cnn", epochs=4, train_samples=8000, test_samples=2000, repeats=2,
+             max_repeats=4)

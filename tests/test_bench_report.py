@@ -84,6 +84,17 @@ def test_verdict_needs_a_float32_baseline():
     assert verdict([BF16_FAST])[0] is None
 
 
+def test_verdict_calls_runs_that_do_not_separate_a_tie():
+    # Two quick runs minutes apart: 0.94x and 1.47x. Neither verdict holds.
+    noisy = _row("mixed_bfloat16", 1.0, 0.97, 1.2, epoch_times_of_runs=[1.39, 0.89])
+    baseline = _row("float32", 1.31, 0.969, 1.0, epoch_times_of_runs=[1.31, 1.31])
+    policy, text = verdict([baseline, noisy])
+    assert policy == "float32"
+    assert "0.94x to 1.47x float32's speed over 2 alternating runs: a tie" in text
+    steady = _row("mixed_bfloat16", 1.0, 0.97, 1.31, epoch_times_of_runs=[1.0, 1.01])
+    assert verdict([baseline, steady])[0] == "mixed_bfloat16"
+
+
 def test_verdict_threshold():
     just_below = _row("mixed_bfloat16", 1.0, 0.97, MIN_SPEEDUP - 0.001)
     assert verdict([FLOAT32, just_below])[0] == "float32"

@@ -54,7 +54,8 @@ def test_quick_bench_compares_every_policy_the_probe_does_not_rule_out(quick_ben
     for result in results.values():
         assert RESULT_FIELDS <= set(result)
         assert result["epoch_time_min"] <= result["epoch_time"] <= result["epoch_time_max"]
-        assert len(result["epoch_times_of_runs"]) == 2
+        # Two alternating runs, and up to four while they do not separate.
+        assert 2 <= len(result["epoch_times_of_runs"]) <= 4
         assert result["accuracy"] > 0.2  # ten classes: chance is 0.1
         assert result["epochs"] == 4 and result["optimizer"] == "Adam"
         assert not result["diverged"]

@@ -12,7 +12,8 @@ import mp_callbacks as mp
 
 DOCUMENTED = [mp.DynamicLossScale, mp.MixedPrecisionModel, mp.LossScaleMonitor,
               mp.NaNGradientMonitor, mp.EpochTimer, mp.LossScaleOptimizer,
-              mp.HeadroomMonitor, mp.diagnose_batch, mp.with_float32_layers]
+              mp.HeadroomMonitor, mp.diagnose_batch, mp.with_float32_layers, mp.PrecisionPlan,
+              mp.float32_copy, mp.SpeedComparison]
 
 
 @pytest.mark.parametrize("cls", DOCUMENTED, ids=lambda c: c.__name__)

@@ -85,3 +85,17 @@ def test_custom_train_step_example_skips_the_poisoned_step_and_keeps_the_weights
     assert [float(s) for s in skipped.split(",")] == [1.0, 1.0]
     assert "weights finite: True" in output
     assert re.search(r"d_loss: .* g_loss: .* grad_norm: .* loss_scale: .* skipped_steps: 1", output)
+
+
+def test_autotune_example_pins_each_policys_trap_and_only_it(tmp_path):
+    plan_path = tmp_path / "plan.json"
+    output = _run("autotune.py", "--policies", "mixed_float16", "mixed_bfloat16", "--samples", "1024",
+                  "--steps", "20", "--json", str(plan_path), tmp_path=tmp_path)
+    import mp_callbacks as mp
+
+    plan = mp.PrecisionPlan.from_json(plan_path.read_text())
+    pinned = {c["policy"]: c["float32_layers"] for c in plan.candidates}
+    assert pinned == {"float32": [], "mixed_float16": ["naive_softmax", "variance"],
+                      "mixed_bfloat16": ["variance"]}
+    assert plan.policy in ("mixed_float16", "mixed_bfloat16")  # listed: one of them, whatever the speed
+    assert "to use it:" in output and "mp.with_float32_layers(model" in output

@@ -1,0 +1,253 @@
+"""Which layers must compute in float32 under a mixed policy, measured.
+
+On a few of the user's own batches, a layer is flagged when
+
+* its output or its gradient goes non-finite (the origin `diagnose_batch`
+  names, forward or backward),
+* its true output (from a float32 replay of the batch) uses more than
+  `FLOAT16_ADVICE_THRESHOLD` of float16's range, or
+* its own computation differs from the same computation in float32 by
+  more than `MAX_RELATIVE_ERROR` (relative L2 error, each layer replayed
+  alone on its own low-precision inputs, so that it is not blamed for error
+  it inherits): bfloat16's 8-bit mantissa loses a hand-written variance,
+  E[x^2] - E[x]^2, on inputs with a large mean, where nothing overflows.
+
+The set is then made minimal: pinned, the model is diagnosed again (and
+any layer flagged only now is added), and a layer whose pinning changes
+nothing (the model is still clean without it) is dropped. Pinning here
+swaps dtype policies on the model for the duration, so it needs no rebuild
+and works for subclassed models too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from mp_callbacks._backend import keras, tf
+from mp_callbacks.diagnosis import (
+    FLOAT16_ADVICE_THRESHOLD,
+    computing_in_float32,
+    diagnose_batch,
+    recording_layers,
+)
+
+__all__ = ["LayerSelection", "MAX_RELATIVE_ERROR", "select_float32_layers", "own_relative_errors"]
+
+#: A layer whose own output differs from float32's by more than this
+#: (relative L2 error) is computed in float32. bfloat16 rounds each value
+#: by up to 2**-9 (0.2 %), float16 by 2**-12: ordinary layers stay well
+#: under a percent.
+MAX_RELATIVE_ERROR = 0.05
+_LOW_PRECISION = ("float16", "bfloat16")
+_FLOAT16_MAX = 65504.0
+# A loss scale that leaves a factor of 16 below float16's largest value:
+# gradients grow as training moves off the initial weights.
+_SCALE_HEADROOM = 16.0
+
+
+@dataclass
+class LayerSelection:
+    """What `select_float32_layers` found.
+
+    Attributes:
+        layers: names of the layers to compute in float32, in forward order.
+        reasons: layer name -> why it is in `layers`.
+        dropped: layer name -> why it was flagged at first and then dropped.
+        initial_scale: for float16, a loss scale from the largest gradient
+            measured (None otherwise).
+        notes: what could not be measured.
+    """
+
+    layers: list[str] = field(default_factory=list)
+    reasons: dict[str, str] = field(default_factory=dict)
+    dropped: dict[str, str] = field(default_factory=dict)
+    initial_scale: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def pinned(model: keras.Model, names: Sequence[str]) -> Iterator[None]:
+    """While active, the named layers (and the layers inside them) compute
+    in float32."""
+    by_name = {layer.name: layer for layer in model._flatten_layers(include_self=False, recursive=True)}
+    layers = [inner for name in names for inner in by_name[name]._flatten_layers(include_self=True)]
+    with computing_in_float32(model, layers=layers):
+        yield
+
+
+def _relative_error(ours: list[Any], reference: list[Any]) -> float:
+    worst = 0.0
+    for a, b in zip(ours, reference):
+        a = tf.cast(a, tf.float32)
+        b = tf.cast(b, tf.float32)
+        if not (bool(tf.reduce_all(tf.math.is_finite(a))) and bool(tf.reduce_all(tf.math.is_finite(b)))):
+            continue  # overflow is judged by the diagnosis
+        scale = float(tf.norm(b))
+        difference = float(tf.norm(a - b))
+        if scale == 0.0:
+            scale = max(float(tf.norm(a)), 1e-30)
+        worst = max(worst, difference / scale)
+    return worst
+
+
+def _floating(structure: Any) -> list[Any]:
+    return [t for t in tf.nest.flatten(structure) if tf.is_tensor(t) and t.dtype.is_floating]
+
+
+def _to_float32(structure: Any) -> Any:
+    return tf.nest.map_structure(
+        lambda t: tf.cast(t, tf.float32) if tf.is_tensor(t) and t.dtype.is_floating else t, structure
+    )
+
+
+def own_relative_errors(model: keras.Model, x: Any) -> dict[str, float]:
+    """Layer name -> the relative L2 error of the layer's own computation
+    against the same computation in float32, on the inputs it received in
+    a training-mode pass of `x`, as in `fit` (layers that compute in
+    float32, and layers that draw random numbers, are left out). The state
+    the passes change (BatchNormalization's statistics) is put back."""
+    state = list(model.non_trainable_variables)
+    saved = [tf.identity(v.value) for v in state]
+    calls: list[tuple[Any, tuple, dict]] = []
+    errors: dict[str, float] = {}
+    try:
+        with recording_layers(model, arguments=calls) as records:
+            model(x, training=True)
+        for (layer, args, kwargs), (_, _, outputs) in zip(calls, records):
+            if getattr(layer, "compute_dtype", "float32") not in _LOW_PRECISION or not outputs:
+                continue
+            inner = layer._flatten_layers(include_self=True)
+            if any(getattr(sub, "_seed_generators", None) for sub in inner):
+                continue  # a replay would draw other random numbers
+            with computing_in_float32(model, layers=inner):
+                reference = _floating(layer(*_to_float32(args), **_to_float32(kwargs)))
+            error = _relative_error(outputs, reference)
+            errors[layer.name] = max(errors.get(layer.name, 0.0), error)
+    finally:
+        for variable, value in zip(state, saved):
+            variable.assign(value)
+    return errors
+
+
+def _flag(model: keras.Model, batches: Sequence[tuple[Any, Any]], pins: Sequence[str],
+          compute_dtype: str) -> tuple[dict[str, str], float]:
+    """Layer name -> reason, for the model with `pins` in float32; and the
+    largest gradient magnitude seen (for the loss scale)."""
+    flags: dict[str, str] = {}
+    gradient_max = 0.0
+    with pinned(model, pins):
+        for x, y in batches:
+            report = diagnose_batch(model, x, y, loss_scale=1.0)
+            gradient_max = max([gradient_max, *(g for g in report.gradient_max.values() if math.isfinite(g))])
+            for name in report.float32_layers:
+                if name in pins:
+                    continue
+                if name == report.first_nonfinite_layer:
+                    flags.setdefault(name, "its output overflows (not finite)")
+                elif name == report.origin:
+                    flags.setdefault(name, "the gradient it passes back is not finite")
+                else:
+                    share = max(report.reference_max.get(name, 0.0), report.activation_max.get(name, 0.0))
+                    flags.setdefault(name, f"its output reaches {share / _FLOAT16_MAX:.0%} of float16's range")
+            for name, error in own_relative_errors(model, x).items():
+                if name not in pins and error > MAX_RELATIVE_ERROR:
+                    flags.setdefault(name, f"it differs {error:.0%} from float32 (relative error)")
+            if not report.loss_finite and not flags:
+                flags.setdefault(report.origin or "loss", "the loss is not finite")
+    return {name: why for name, why in flags.items() if name != "loss"}, gradient_max
+
+
+def select_float32_layers(
+    model: keras.Model,
+    batches: Sequence[tuple[Any, Any]],
+    max_rounds: int = 3,
+) -> LayerSelection:
+    """The minimal set of layers to compute in float32 under the model's
+    own policy, measured on `batches` (a few `(x, y)` of the user's data).
+
+    Args:
+        model: a built, compiled Keras model, built under the policy in
+            question (its layers carry it).
+        batches: `(x, y)` pairs, each one batch.
+        max_rounds: how many times to re-diagnose with new layers pinned.
+            Defaults to 3.
+
+    Returns:
+        A `LayerSelection`.
+    """
+    compute_dtype = _model_compute_dtype(model)
+    selection = LayerSelection()
+    if compute_dtype not in _LOW_PRECISION:
+        return selection
+    order = [layer.name for layer in model._flatten_layers(include_self=False, recursive=True)]
+    pins: list[str] = []
+    reasons: dict[str, str] = {}
+    gradient_max = 0.0
+    for _ in range(max_rounds):
+        flags, measured = _flag(model, batches, pins, compute_dtype)
+        gradient_max = max(gradient_max, measured)
+        new = [name for name in flags if name not in pins]
+        if not new:
+            break
+        reasons.update({name: flags[name] for name in new})
+        pins += new
+    else:
+        flags, _ = _flag(model, batches, pins, compute_dtype)
+        if flags:
+            selection.notes.append(
+                "still flagged after pinning: " + ", ".join(f"{n} ({w})" for n, w in flags.items()))
+    # Minimal: a layer whose pinning changes nothing goes; containers are
+    # tried first, so that the smallest layer that needs float32 is kept.
+    size = {layer.name: len(layer._flatten_layers(include_self=False, recursive=True))
+            for layer in model._flatten_layers(include_self=False, recursive=True)}
+
+    def clean(names: list[str]) -> bool:
+        return not _flag(model, batches, names, compute_dtype)[0]
+
+    needed = _minimal(sorted(pins, key=lambda n: -size.get(n, 0)), [], clean)
+    for name in [n for n in pins if n not in needed]:
+        selection.dropped[name] = f"{reasons.pop(name)}, but pinning it changed nothing"
+    pins = needed
+    selection.layers = sorted(pins, key=lambda n: order.index(n) if n in order else len(order))
+    selection.reasons = {name: reasons[name] for name in selection.layers}
+    if compute_dtype == "float16":
+        selection.initial_scale = initial_scale_for(gradient_max)
+    return selection
+
+
+def _minimal(candidates: list[str], kept: list[str], clean: Any) -> list[str]:
+    """The smallest part of `candidates` that, pinned with `kept`, leaves
+    the model clean: halves are dropped whole where they can be, so a few
+    needed layers among many cost a few diagnoses each, not one per layer."""
+    if not candidates or clean(kept):
+        return []
+    if len(candidates) == 1:
+        return list(candidates)
+    middle = len(candidates) // 2
+    first, second = candidates[:middle], candidates[middle:]
+    needed_first = _minimal(first, kept + second, clean)
+    return needed_first + _minimal(second, kept + needed_first, clean)
+
+
+def initial_scale_for(gradient_max: float) -> float:
+    """The largest power of two that keeps `gradient_max` (the largest
+    |gradient| of the unscaled loss) a factor of 16 below float16's
+    largest value, within [1, 2**24]."""
+    if not gradient_max or not math.isfinite(gradient_max):
+        return 2.0**15
+    exponent = math.floor(math.log2(_FLOAT16_MAX / (_SCALE_HEADROOM * gradient_max)))
+    return float(2.0 ** int(np.clip(exponent, 0, 24)))
+
+
+def _model_compute_dtype(model: keras.Model) -> str:
+    dtypes = {getattr(layer, "compute_dtype", "float32")
+              for layer in model._flatten_layers(include_self=False, recursive=True)}
+    for dtype in ("float16", "bfloat16"):
+        if dtype in dtypes:
+            return dtype
+    return "float32"

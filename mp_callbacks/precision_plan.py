@@ -1,0 +1,244 @@
+"""`PrecisionPlan`: a measured answer to "which precision, and where".
+
+`mp.autotune` makes one: the dtype policy to train under, the few layers
+that must compute in float32 under it, the initial loss scale, and the
+evidence for each candidate it measured. A plan is plain data: it
+round-trips through JSON, applies to a model built under any policy, and
+prints as a table with the code to paste.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+from mp_callbacks._backend import keras
+from mp_callbacks._validation import fail
+from mp_callbacks.hardware import POLICIES
+
+__all__ = ["PrecisionPlan", "pin_float32"]
+
+_OWNER = "PrecisionPlan"
+
+
+def _layers_by_name(model: Any) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        found.setdefault(layer.name, layer)
+    return found
+
+
+def pin_float32(model: Any, names: Iterable[str]) -> None:
+    """Makes the named layers, and every layer inside them, compute in
+    float32 (their dtype policy, kept in their config, so a `.keras` save
+    keeps it). In place; the model must not have been traced yet."""
+    by_name = _layers_by_name(model)
+    unknown = [name for name in names if name not in by_name]
+    if unknown:
+        fail(_OWNER, "float32_layers", unknown,
+             f"names of the model's layers ({', '.join(sorted(by_name)[:12])}"
+             f"{', ...' if len(by_name) > 12 else ''})")
+    float32 = keras.dtype_policies.get("float32")
+    for name in names:
+        for layer in by_name[name]._flatten_layers(include_self=True, recursive=True):
+            if getattr(layer.dtype_policy, "quantization_mode", None) is None:
+                layer.dtype_policy = float32
+
+
+@dataclass
+class PrecisionPlan:
+    """A dtype policy, the layers that must stay float32 under it, and why.
+
+    Args:
+        policy: the dtype policy to train under ("float32",
+            "mixed_bfloat16" or "mixed_float16").
+        float32_layers: names of the layers that `autotune` found must
+            compute in float32 under `policy` (layers inside them too).
+            Defaults to none.
+        initial_scale: the initial loss scale for float16, measured from the
+            gradients' magnitudes; None for the default (2**15) or no
+            scaling. Defaults to None.
+        layer_dtypes: layer path -> dtype policy name, for every layer whose
+            policy is not `policy` in the measured model (your own float32
+            heads and the pinned layers), so that `apply` reproduces it on a
+            model built under any policy. Defaults to none.
+        reasons: why the plan is what it is, in sentences. Defaults to none.
+        candidates: the evidence: one dict per candidate measured (policy,
+            pinned layers and why, step time, speed-up and its spread,
+            validation metric, skipped steps, divergence). Defaults to none.
+        measured_on: the device the speed was measured on.
+
+    Example:
+
+    ```python
+    import keras
+    import mp_callbacks as mp
+
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, name="hidden")(inputs)
+    outputs = keras.layers.Dense(1, name="head")(hidden)
+    model = keras.Model(inputs, outputs)
+    plan = mp.PrecisionPlan("mixed_bfloat16", float32_layers=["head"])
+    tuned = plan.apply(model)
+    print(tuned.get_layer("hidden").compute_dtype, tuned.get_layer("head").compute_dtype)  # bfloat16 float32
+    print(mp.PrecisionPlan.from_json(plan.to_json()) == plan)  # True
+    ```
+    """
+
+    policy: str
+    float32_layers: list[str] = field(default_factory=list)
+    initial_scale: float | None = None
+    layer_dtypes: dict[str, str] = field(default_factory=dict)
+    reasons: list[str] = field(default_factory=list)
+    candidates: list[dict[str, Any]] = field(default_factory=list)
+    measured_on: str = ""
+    interrupted: bool = False
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            fail(_OWNER, "policy", self.policy, f"one of {', '.join(POLICIES)}")
+        if isinstance(self.float32_layers, str) or not all(
+                isinstance(name, str) for name in self.float32_layers):
+            fail(_OWNER, "float32_layers", self.float32_layers, "a list of layer names", TypeError)
+        self.float32_layers = list(self.float32_layers)
+        if self.initial_scale is not None and not (
+                isinstance(self.initial_scale, (int, float)) and math.isfinite(self.initial_scale)
+                and self.initial_scale >= 1.0):
+            fail(_OWNER, "initial_scale", self.initial_scale, "None or a finite number >= 1")
+
+    # ---------------------------------------------------------- applying
+    def dtype_policy_map(self) -> Any:
+        """A `keras.dtype_policies.DTypePolicyMap`: `policy` by default,
+        float32 (or the measured model's own policy) for the layers listed
+        by path."""
+        policy_map = {path: keras.dtype_policies.get(name) for path, name in self.layer_dtypes.items()}
+        return keras.dtype_policies.DTypePolicyMap(
+            default_policy=keras.dtype_policies.get(self.policy), policy_map=policy_map
+        )
+
+    def apply(self, model: keras.Model) -> keras.Model:
+        """A copy of `model` with the plan applied: every layer under
+        `policy` except those `layer_dtypes` lists (and `float32_layers`,
+        float32), the same weights, compiled like the original (a fresh
+        optimizer of the same configuration), with the plan's initial loss
+        scale. A `.keras` save and load keeps the pinned layers float32.
+
+        Args:
+            model: a functional or Sequential model (a `MixedPrecisionModel`
+                included), built under any policy.
+
+        Returns:
+            The new model (a `MixedPrecisionModel` if `model` was one).
+        """
+        from mp_callbacks.loss_scale import DynamicLossScale
+        from mp_callbacks.model import MixedPrecisionModel
+
+        if not (isinstance(model, keras.Sequential) or hasattr(model, "_run_through_graph")):
+            fail(_OWNER, "model", model.name,
+                 "a functional or Sequential model (in a subclassed model, set "
+                 f"dtype='float32' on {', '.join(self.float32_layers) or 'the layers'} in its code)")
+        config = model.get_config()
+        default = keras.dtype_policies.serialize(keras.dtype_policies.get(self.policy))
+        known = set()
+        for layer_config in config.get("layers", []):
+            name = layer_config.get("config", {}).get("name")
+            if layer_config.get("class_name") == "InputLayer" or name is None:
+                continue
+            known.add(name)
+            dtype = self.layer_dtypes.get(name, "float32" if name in self.float32_layers else None)
+            layer_config["config"]["dtype"] = (
+                default if dtype is None else keras.dtype_policies.serialize(keras.dtype_policies.get(dtype))
+            )
+        clone = type(model).from_config(config)
+        clone.set_weights(model.get_weights())
+        nested = [name for name in self.float32_layers if name not in known]
+        if nested:  # layers inside a top-level layer
+            pin_float32(clone, nested)
+        if getattr(model, "compiled", False) and getattr(model, "optimizer", None) is not None:
+            compile_config = keras.saving.deserialize_keras_object(model.get_compile_config())
+            optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+            compile_config["optimizer"] = type(optimizer).from_config(optimizer.get_config())
+            clone.compile(**compile_config)
+        if isinstance(clone, MixedPrecisionModel) and self.initial_scale is not None:
+            clone.set_loss_scale(DynamicLossScale(initial_scale=float(self.initial_scale)))
+        return clone
+
+    @property
+    def code(self) -> str:
+        """The lines to paste into a training script: the policy before
+        the model is built, the pinned layers after."""
+        lines = [f'keras.mixed_precision.set_global_policy("{self.policy}")  # before building the model']
+        if self.float32_layers:
+            lines.append(f"model = mp.with_float32_layers(model, {self.float32_layers!r})")
+        if self.initial_scale is not None:
+            lines.append(f"model = mp.MixedPrecisionModel.from_model(model, loss_scale=mp.DynamicLossScale("
+                         f"initial_scale={self.initial_scale:g}))")
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------- JSON
+    def to_json(self) -> str:
+        """The plan and its evidence as JSON (`from_json` reads it back)."""
+        return json.dumps(asdict(self), indent=2, default=_jsonable)
+
+    @classmethod
+    def from_json(cls, text: str) -> "PrecisionPlan":
+        try:
+            data = json.loads(text)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{_OWNER}.from_json: not a plan's JSON ({error})") from error
+        if not isinstance(data, dict) or "policy" not in data:
+            raise ValueError(f"{_OWNER}.from_json: not a plan's JSON (no 'policy')")
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+    # ------------------------------------------------------------- text
+    def table(self) -> str:
+        """One row per candidate measured: step time, speed-up (median of
+        paired rounds, with the spread), validation metric, skipped steps,
+        pinned layers, and why it was or was not chosen."""
+        headers = ("candidate", "step time (ms)", "speed-up", "validation", "skipped steps",
+                   "pinned to float32", "verdict")
+        rows = []
+        for candidate in self.candidates:
+            step = candidate.get("step_time")
+            speedup = candidate.get("speedup")
+            spread = candidate.get("speedup_range")
+            metric = candidate.get("metric")
+            rows.append((
+                candidate["policy"],
+                "-" if step is None else f"{step * 1000:.1f}",
+                "-" if speedup is None else (f"{speedup:.2f}x" + (
+                    f" ({spread[0]:.2f}-{spread[1]:.2f})" if spread else "")),
+                "-" if metric is None else f"{candidate.get('metric_name', '')} {metric:.4g}",
+                str(candidate.get("skipped_steps", "-")),
+                ", ".join(candidate.get("float32_layers", [])) or "-",
+                candidate.get("verdict", ""),
+            ))
+        widths = [max(len(str(row[i])) for row in [headers, *rows]) for i in range(len(headers))]
+        lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
+                 for row in [headers, *rows]]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        lines = [f"plan: {self.policy}" + (
+            f", {', '.join(self.float32_layers)} in float32" if self.float32_layers else "")
+            + (f", initial loss scale {self.initial_scale:g}" if self.initial_scale else "")
+            + (" (interrupted: what was measured so far)" if self.interrupted else "")]
+        if self.candidates:
+            lines += ["", self.table()]
+        if self.measured_on:
+            lines.append(f"\nmeasured on: {self.measured_on}")
+        lines += [f"- {reason}" for reason in self.reasons]
+        lines += ["", "to use it:", *("    " + line for line in self.code.splitlines())]
+        return "\n".join(lines)
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    return str(value)
