@@ -4,7 +4,7 @@ This is the GAN of Keras's guide "Customizing what happens in `fit()`",
 with `keras.Model` replaced by `mp.MixedPrecisionModel` and three lines
 changed per optimizer (marked `# mp:`): scale the loss inside the tape,
 take the gradients of the scaled loss, and apply them with
-`self.loss_scale.step(...)`, which unscales them and skips the update if
+`self.scaler.step(...)`, which unscales them and skips the update if
 one is not finite. The scale moves once per training step, for both
 optimizers together, and every epoch logs `loss_scale`, `grad_norm` and
 `skipped_steps` beside the GAN's own losses.
@@ -66,10 +66,10 @@ class GAN(mp.MixedPrecisionModel):  # mp: was keras.Model
         with tf.GradientTape() as tape:
             predictions = self.discriminator(combined_images)
             d_loss = self.loss_fn(labels, predictions)
-            scaled_d_loss = self.loss_scale.scale(d_loss)  # mp: scale the loss
+            scaled_d_loss = self.scaler.scale(d_loss)  # mp: scale the loss
         d_weights = self.discriminator.trainable_weights
         grads = tape.gradient(scaled_d_loss, d_weights)  # mp: of the scaled loss
-        self.loss_scale.step(self.d_optimizer, grads, d_weights, loss=d_loss)  # mp: was apply_gradients
+        self.scaler.step(self.d_optimizer, grads, d_weights, loss=d_loss)  # mp: was apply_gradients
 
         random_latent_vectors = keras.random.normal(
             shape=(batch_size, self.latent_dim), seed=self.seed_generator
@@ -78,10 +78,10 @@ class GAN(mp.MixedPrecisionModel):  # mp: was keras.Model
         with tf.GradientTape() as tape:
             predictions = self.discriminator(self.generator(random_latent_vectors))
             g_loss = self.loss_fn(misleading_labels, predictions)
-            scaled_g_loss = self.loss_scale.scale(g_loss)  # mp: scale the loss
+            scaled_g_loss = self.scaler.scale(g_loss)  # mp: scale the loss
         g_weights = self.generator.trainable_weights
         grads = tape.gradient(scaled_g_loss, g_weights)  # mp: of the scaled loss
-        self.loss_scale.step(self.g_optimizer, grads, g_weights, loss=g_loss)  # mp: was apply_gradients
+        self.scaler.step(self.g_optimizer, grads, g_weights, loss=g_loss)  # mp: was apply_gradients
 
         self.d_loss_tracker.update_state(d_loss)
         self.g_loss_tracker.update_state(g_loss)
@@ -138,7 +138,7 @@ def main(argv=None) -> dict:
     history = gan.fit(images, epochs=args.epochs, batch_size=args.batch_size, shuffle=False,
                       verbose=2, callbacks=[mp.LossScaleMonitor(), mp.EpochTimer()]).history
     finite = all(np.all(np.isfinite(w)) for w in gan.get_weights())
-    print(f"policy: {args.policy}; loss scale {gan.get_loss_scale():g}")
+    print(f"policy: {args.policy}; loss scale {gan.get_scale():g}")
     print(f"skipped steps per epoch: {history['skipped_steps']}")
     print(f"weights finite: {finite}")
     return {"history": history, "weights_finite": finite}

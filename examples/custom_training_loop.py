@@ -77,7 +77,7 @@ def main(argv=None) -> dict:
         print(f"epoch {epoch + 1}: loss {float(mean_loss.result()):.4f}, "
               f"test accuracy {float(accuracy.result()):.3f}, "
               f"loss scale {optimizer.get_scale():g}, "
-              f"skipped steps {optimizer.dynamic_loss_scale.diagnostics()['skipped_steps']}")
+              f"skipped steps {optimizer.scaler.diagnostics()['skipped_steps']}")
     return {"accuracy": float(accuracy.result()), "loss_scale": optimizer.get_scale()}
 
 

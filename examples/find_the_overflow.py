@@ -87,7 +87,7 @@ def main(argv=None) -> None:
                         callbacks=[mp.NaNGradientMonitor(action="raise")])
     print(f"   skipped steps per epoch: {history.history['skipped_steps']}")
     print(f"   accuracy per epoch: {[round(a, 3) for a in history.history['accuracy']]}")
-    print(f"   loss scale: {fixed.get_loss_scale():g}")
+    print(f"   loss scale: {fixed.get_scale():g}")
 
 
 if __name__ == "__main__":

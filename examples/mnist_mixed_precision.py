@@ -4,7 +4,7 @@
 `MixedPrecisionModel` instead of a hand-wrapped `LossScaleOptimizer`: the
 model scales the loss itself and reports `loss_scale`, `grad_norm` and
 `skipped_steps` every epoch; the three callbacks add `epoch_time`,
-`samples_per_sec` and `nonfinite_steps`, and watch for trouble.
+`samples_per_sec` and `skipped_steps`, and watch for trouble.
 
 Runs offline: Keras's MNIST when it is already cached, the built-in
 synthetic digits otherwise (it says which).

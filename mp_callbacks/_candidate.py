@@ -138,7 +138,7 @@ class Trainer:
     def evaluate(self) -> dict[str, Any]:
         x, y = self.validation
         results = self.model.evaluate(x, y, batch_size=self.batch_size, verbose=0, return_dict=True)
-        loss_scale = getattr(self.model, "loss_scale", None)
+        loss_scale = getattr(self.model, "scaler", None)
         state = loss_scale.diagnostics() if loss_scale is not None else {}
         return {
             "metrics": {k: float(v) for k, v in results.items()},

@@ -13,7 +13,7 @@ from typing import Any
 from mp_callbacks._backend import keras
 from mp_callbacks.loss_scale import DynamicLossScale
 
-__all__ = ["LossScaleSource", "find_loss_scale", "read_variable"]
+__all__ = ["LossScaleSource", "find_scaler", "read_variable"]
 
 
 def read_variable(variable: Any) -> Any:
@@ -26,17 +26,18 @@ def read_variable(variable: Any) -> Any:
 def _held_scale(value: Any) -> DynamicLossScale | None:
     if isinstance(value, DynamicLossScale):
         return value
-    held = getattr(value, "dynamic_loss_scale", None)  # mp_callbacks.LossScaleOptimizer
+    held = getattr(value, "scaler", None)  # mp_callbacks.LossScaleOptimizer
     return held if isinstance(held, DynamicLossScale) else None
 
 
-def find_loss_scale(model: Any) -> DynamicLossScale | None:
+def find_scaler(model: Any) -> DynamicLossScale | None:
     """The `DynamicLossScale` a model trains with, wherever it is kept:
-    `model.loss_scale` (a `MixedPrecisionModel`'s), the model's
+    `model.scaler` (a `MixedPrecisionModel`'s), the model's
     `mp_callbacks.LossScaleOptimizer`, or any attribute of the model that
     holds one (a hand-written `train_step`'s `self.scaler`, or an
     optimizer attribute such as `self.d_optimizer`), in name order."""
-    for candidate in (getattr(model, "loss_scale", None), getattr(model, "optimizer", None)):
+    for candidate in (getattr(model, "scaler", None), getattr(model, "loss_scale", None),
+                      getattr(model, "optimizer", None)):
         found = _held_scale(candidate)
         if found is not None:
             return found
@@ -55,9 +56,9 @@ class LossScaleSource:
 
     Attributes:
         kind: `"mp"` (a `DynamicLossScale` that scales the loss: see
-            `find_loss_scale`), `"keras"` (Keras's own `LossScaleOptimizer`)
+            `find_scaler`), `"keras"` (Keras's own `LossScaleOptimizer`)
             or `"none"`.
-        loss_scale: the `DynamicLossScale` driving the steps, also when it
+        scaler: the `DynamicLossScale` driving the steps, also when it
             does not scale (it still counts and skips non-finite steps),
             for example a `train_step` of your own that never scales its
             loss.
@@ -65,14 +66,14 @@ class LossScaleSource:
     """
 
     kind: str
-    loss_scale: DynamicLossScale | None = None
+    scaler: DynamicLossScale | None = None
     optimizer: Any = None
 
     @classmethod
     def of(cls, model: Any) -> "LossScaleSource":
-        loss_scale = find_loss_scale(model)
-        if loss_scale is not None:
-            return cls("mp" if loss_scale.scales_losses else "none", loss_scale=loss_scale)
+        scaler = find_scaler(model)
+        if scaler is not None:
+            return cls("mp" if scaler.scales_losses else "none", scaler=scaler)
         optimizer = getattr(model, "optimizer", None)
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             return cls("keras", optimizer=optimizer)
@@ -87,19 +88,19 @@ class LossScaleSource:
     def dynamic(self) -> bool:
         """True when the scale can move (so it can collapse)."""
         if self.kind == "mp":
-            return self.loss_scale.is_dynamic
+            return self.scaler.is_dynamic
         return self.kind == "keras"
 
     @property
     def min_scale(self) -> float:
         if self.kind == "mp":
-            return self.loss_scale.min_scale
+            return self.scaler.min_scale
         return 1.0  # Keras's LossScaleOptimizer has no floor; below 1 is collapse
 
     def read_scale(self) -> float:
         """One host read of the current scale (1.0 when not scaling)."""
         if self.kind == "mp":
-            return self.loss_scale.get_scale()
+            return self.scaler.get_scale()
         if self.kind == "keras":
             if not self.optimizer.built:
                 return float(self.optimizer.initial_scale)
@@ -111,9 +112,9 @@ class LossScaleSource:
         that a collapse between two reads is not missed; for Keras's
         optimizer, which keeps no such latch, the current scale."""
         if self.kind == "mp":
-            state = self.loss_scale.diagnostics()
+            state = self.scaler.diagnostics()
             lowest = state["scale"] if state["lowest_scale"] is None else min(
                 state["lowest_scale"], state["scale"])
-            self.loss_scale.reset_lowest_scale()
+            self.scaler.reset_lowest_scale()
             return lowest
         return self.read_scale()

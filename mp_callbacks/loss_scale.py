@@ -419,8 +419,8 @@ class DynamicLossScale(tf.Module):
         ]
 
     # -------------------------------------------------------------- hot path
-    @_no_autograph
-    def current_scale(self) -> tf.Tensor:
+    @property
+    def loss_scale(self) -> tf.Tensor:
         """The current scale as a float32 tensor (no host sync)."""
         return tf.identity(self._scale)
 
@@ -759,10 +759,10 @@ class DynamicLossScale(tf.Module):
         from mp_callbacks.loss_scale_optimizer import LossScaleOptimizer
 
         if isinstance(optimizer, LossScaleOptimizer):
-            if optimizer.dynamic_loss_scale is not self:
+            if optimizer.scaler is not self:
                 self._warn_once(optimizer, (
                     f"DynamicLossScale.apply_gradients got a LossScaleOptimizer with its own loss "
-                    f"scale ({optimizer.dynamic_loss_scale!r}); this one decides the step and its "
+                    f"scale ({optimizer.scaler!r}); this one decides the step and its "
                     "inner optimizer applies it, so that scale does not move."
                 ))
             optimizer = optimizer.inner_optimizer

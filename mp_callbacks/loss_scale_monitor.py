@@ -130,15 +130,15 @@ class LossScaleMonitor(ConfigCopyMixin, keras.callbacks.Callback):
     # ------------------------------------------------------------- hooks
     def on_train_begin(self, logs=None):
         self._reset(LossScaleSource.of(self.model))
-        if self._source.loss_scale is not None:
-            self._source.loss_scale.reset_lowest_scale()
+        if self._source.scaler is not None:
+            self._source.scaler.reset_lowest_scale()
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
         self._epoch_steps = 0
         self._lowest_scale = math.inf
-        if self._source.loss_scale is not None:
-            self._counters_at_epoch_start = self._source.loss_scale.diagnostics()
+        if self._source.scaler is not None:
+            self._counters_at_epoch_start = self._source.scaler.diagnostics()
         if self._source.kind == "keras":
             self._iterations_at_epoch_start = int(read_variable(self.model.optimizer.iterations))
 
@@ -224,7 +224,7 @@ class LossScaleMonitor(ConfigCopyMixin, keras.callbacks.Callback):
     def _epoch_skips(self, logs: dict) -> tuple[float | None, int, int]:
         """(steps skipped, steps taken, skips while calibrating) this epoch,
         from the loss scale's own counters where there is one."""
-        loss_scale = self._source.loss_scale
+        loss_scale = self._source.scaler
         if loss_scale is not None and self._counters_at_epoch_start:
             now, start = loss_scale.diagnostics(), self._counters_at_epoch_start
             # Calibration is over only once a step applied; until then the
@@ -247,7 +247,7 @@ class LossScaleMonitor(ConfigCopyMixin, keras.callbacks.Callback):
                 "LossScaleMonitor: %d step(s) of epoch %d were skipped while the loss scale "
                 "came down from its initial_scale (%g) to fit the gradients; not counted "
                 "toward max_skipped_fraction.",
-                calibration, epoch + 1, self._source.loss_scale.initial_scale,
+                calibration, epoch + 1, self._source.scaler.initial_scale,
             )
         counted = skipped - calibration
         fraction = counted / steps

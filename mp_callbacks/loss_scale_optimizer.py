@@ -117,7 +117,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     `initial_scale`, `dynamic_growth_steps` (None when fixed),
     `dynamic_counter` and `step_counter` (the finite-step counter
     variable), `loss_scale` (the current scale, a float32 tensor),
-    `dynamic_scale` (the variable holding it). Also `dynamic_loss_scale`,
+    `dynamic_scale` (the variable holding it). Also `scaler`,
     the `DynamicLossScale` doing the work, and `get_scale()`, the current
     scale as a Python float. `learning_rate`, `use_ema` and `ema_momentum`
     are the inner optimizer's, read and set through the wrapper; any other
@@ -238,7 +238,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             )
             inner.loss_scale_factor = None
         self.inner_optimizer = inner
-        self.dynamic_loss_scale = loss_scale
+        self.scaler = loss_scale
         self._saves_loss_scale = True
         # A model's optimizer is saved in weights files as its inner one.
         self._saved_as_inner = False
@@ -256,35 +256,35 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     @property
     def dynamic(self) -> bool:
         """True when the loss scale is dynamic."""
-        return self.dynamic_loss_scale.is_dynamic
+        return self.scaler.is_dynamic
 
     @property
     def initial_scale(self) -> float:
-        return self.dynamic_loss_scale.initial_scale
+        return self.scaler.initial_scale
 
     @property
     def dynamic_growth_steps(self) -> int | None:
-        return self.dynamic_loss_scale.growth_interval if self.dynamic else None
+        return self.scaler.growth_interval if self.dynamic else None
 
     @property
     def dynamic_counter(self) -> Any:
         """Finite steps since the last growth or overflow (None when fixed)."""
-        return self.dynamic_loss_scale._state["good_steps"] if self.dynamic else None
+        return self.scaler._state["good_steps"] if self.dynamic else None
 
     @property
     def step_counter(self) -> Any:
         """Keras 3's name for the finite-step counter."""
-        return self.dynamic_loss_scale._state["good_steps"]
+        return self.scaler._state["good_steps"]
 
     @property
     def dynamic_scale(self) -> Any:
         """Keras 3's name for the variable holding the current scale."""
-        return self.dynamic_loss_scale._state["scale"]
+        return self.scaler._state["scale"]
 
     @property
     def loss_scale(self) -> tf.Tensor:
         """The current loss scale, a float32 tensor (as in tf.keras)."""
-        return self.dynamic_loss_scale.current_scale()
+        return self.scaler.loss_scale
 
     # ---------------------------------------------------- scaling the loss
     @tf.autograph.experimental.do_not_convert
@@ -294,17 +294,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._loss_has_been_scaled = True
         if callable(loss):
             def scaled_loss() -> Any:
-                return self.dynamic_loss_scale.scale(loss())
+                return self.scaler.scale(loss())
 
             return scaled_loss
-        return self.dynamic_loss_scale.scale(loss)
+        return self.scaler.scale(loss)
 
     @tf.autograph.experimental.do_not_convert
     def scale_loss(self, loss: Any) -> Any:
         """`loss` multiplied by the current scale (Keras 3's name, which
         Keras's own `train_step` calls)."""
         self._keras_scales_the_loss = True
-        return self.dynamic_loss_scale.scale(loss)
+        return self.scaler.scale(loss)
 
     @tf.autograph.experimental.do_not_convert
     def get_unscaled_gradients(self, grads: Iterable[Any]) -> list[Any]:
@@ -312,7 +312,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         the next apply takes them as unscaled."""
         self._gradients_have_been_unscaled = True
         self._unscaled_since_apply = True
-        return self.dynamic_loss_scale._unscale(grads)
+        return self.scaler._unscale(grads)
 
     # ------------------------------------------------------------- applying
     @tf.autograph.experimental.do_not_convert
@@ -343,7 +343,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 )
             trainable_variables = self._built_variables
         variables = list(trainable_variables)
-        loss_scale = self.dynamic_loss_scale
+        loss_scale = self.scaler
         if self._built_variables is None:
             self._built_variables = variables
         if self._gradients_are_scaled():
@@ -351,7 +351,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         elif self._unscaled_since_apply and loss_scale.scaling_active:
             # get_unscaled_gradients cannot tell float8 state from gradients;
             # their values must reach the inner optimizer as computed.
-            scale = loss_scale.current_scale()
+            scale = loss_scale.loss_scale
             grads = [
                 g * tf.cast(scale, g.dtype) if g is not None and _overwrites_with_gradient(v) else g
                 for g, v in zip(grads, variables)
@@ -362,7 +362,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def _gradients_are_scaled(self) -> bool:
         if self._unscaled_since_apply:
             return False
-        record = self.dynamic_loss_scale._record
+        record = self.scaler._record
         if record is not None:
             # A model's own train_step: scaled only if it scaled a loss.
             return record.loss_scaled and not record.unscaled_by_hand
@@ -370,7 +370,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def get_scale(self) -> float:
         """The current loss scale as a Python float."""
-        return self.dynamic_loss_scale.get_scale()
+        return self.scaler.get_scale()
 
     def stateless_apply(self, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
         raise NotImplementedError(
@@ -379,8 +379,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
 
     def _warn_about_scaling(self) -> None:
-        if (not self.dynamic_loss_scale.scaling_active or self._keras_scales_the_loss
-                or not self._saves_loss_scale or self.dynamic_loss_scale._record is not None):
+        if (not self.scaler.scaling_active or self._keras_scales_the_loss
+                or not self._saves_loss_scale or self.scaler._record is not None):
             return
         if self._loss_has_been_scaled and self._gradients_have_been_unscaled:
             return
@@ -415,7 +415,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._built_variables = list(var_list)
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
-        self.dynamic_loss_scale.build(var_list)
+        self.scaler.build(var_list)
         self.built = True
 
     @property
@@ -465,14 +465,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if not self.__dict__.get("_mp_delegating"):
             return super()._trackable_children(save_type, **kwargs)
         children = dict(self.inner_optimizer._trackable_children(save_type, **kwargs))
-        children["loss_scale"] = self.dynamic_loss_scale
+        children["loss_scale"] = self.scaler
         return children
 
     def _lookup_dependency(self, name: str, cached_dependencies: Any = None) -> Any:
         if not self.__dict__.get("_mp_delegating"):
             return super()._lookup_dependency(name, cached_dependencies)
         if name == "loss_scale":
-            return self.dynamic_loss_scale
+            return self.scaler
         return self.inner_optimizer._lookup_dependency(name, cached_dependencies)
 
     # ---------------------------------------------------- serialization
@@ -489,7 +489,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if not self.dynamic:
             config["dynamic"] = False
             return config
-        scale_config = self.dynamic_loss_scale.get_config()
+        scale_config = self.scaler.get_config()
         for key, default in _EXTRA_SETTINGS.items():
             if scale_config[key] != default:
                 config[key] = scale_config[key]
@@ -518,7 +518,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             keras.optimizers.Optimizer.save_own_variables(self, store)
             return
         # The inner optimizer saves its own slots as a child object.
-        for key, value in self.dynamic_loss_scale.get_state().items():
+        for key, value in self.scaler.get_state().items():
             store[key] = value
 
     def load_own_variables(self, store: Any) -> None:
@@ -526,7 +526,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             keras.optimizers.Optimizer.load_own_variables(self, store)
             return
         prefix = "mp_loss_scale."  # earlier releases' key names
-        self.dynamic_loss_scale.set_state(
+        self.scaler.set_state(
             {key[len(prefix):] if key.startswith(prefix) else key: store[key] for key in store.keys()}
         )
 

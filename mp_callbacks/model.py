@@ -44,7 +44,7 @@ _AUTO = AUTO
 _SCALE_THE_LOSS = (
     "add `loss = self.optimizer.scale_loss(loss)` inside the GradientTape, as Keras's "
     "own train_step does (or, for another optimizer, `scaled_loss = "
-    "self.loss_scale.scale(loss)` there and `self.loss_scale.step(optimizer, "
+    "self.scaler.scale(loss)` there and `self.scaler.step(optimizer, "
     "tape.gradient(scaled_loss, variables), variables)`)"
 )
 
@@ -241,8 +241,8 @@ class MixedPrecisionModel(keras.Model):
     each step is reported in the same log keys. To scale the loss, add
     `loss = self.optimizer.scale_loss(loss)` inside the tape (Keras 3's
     spelling; tf.keras's `get_scaled_loss` / `get_unscaled_gradients` work
-    too), or, for other optimizers, `self.loss_scale.scale(loss)` and
-    `self.loss_scale.step(optimizer, grads, variables)`. The scale moves
+    too), or, for other optimizers, `self.scaler.scale(loss)` and
+    `self.scaler.step(optimizer, grads, variables)`. The scale moves
     once per training step, whatever the number of optimizers.
 
     Example:
@@ -257,7 +257,7 @@ class MixedPrecisionModel(keras.Model):
     outputs = keras.layers.Dense(10, activation="softmax", dtype="float32")(hidden)
     model = MixedPrecisionModel(inputs, outputs)
     model.compile("adam", "sparse_categorical_crossentropy")
-    print(model.loss_scale)  # DynamicLossScale.fixed(1.0)
+    print(model.scaler)  # DynamicLossScale.fixed(1.0)
     # bfloat16 has float32's range: no scaling, but non-finite steps are
     # still skipped. history = model.fit(x, y) logs history.history[
     # "loss_scale"], ["grad_norm"] and ["skipped_steps"].
@@ -340,10 +340,16 @@ class MixedPrecisionModel(keras.Model):
 
     # ---------------------------------------------------------- loss scale
     @property
-    def loss_scale(self) -> DynamicLossScale | None:
+    def scaler(self) -> DynamicLossScale | None:
         """The `DynamicLossScale` in use (None until `compile` resolves
         `loss_scale="auto"`)."""
         return self._loss_scale
+
+    @property
+    def loss_scale(self) -> Any:
+        """The current loss scale, a float32 tensor (as on
+        `LossScaleOptimizer` and in the logs); None before `compile`."""
+        return None if self._loss_scale is None else self._loss_scale.loss_scale
 
     def _computes_in_float16(self) -> bool:
         if self.dtype_policy.compute_dtype == "float16":
@@ -379,10 +385,10 @@ class MixedPrecisionModel(keras.Model):
                 self._loss_scale.build(self.trainable_variables)
         optimizer = getattr(self, "optimizer", None)
         if isinstance(optimizer, LossScaleOptimizer) and not optimizer._saves_loss_scale:
-            optimizer.dynamic_loss_scale = self._loss_scale
+            optimizer.scaler = self._loss_scale
         self.train_function = None
 
-    def get_loss_scale(self) -> float:
+    def get_scale(self) -> float:
         """The current loss scale as a Python float (1.0: no scaling)."""
         if self._loss_scale is None:
             return 2.0**15 if self._computes_in_float16() else 1.0
@@ -439,7 +445,7 @@ class MixedPrecisionModel(keras.Model):
         optimizer = keras.optimizers.get(optimizer)
         adopted = given_wrapper = None
         if isinstance(optimizer, LossScaleOptimizer):
-            adopted, given_wrapper = optimizer.dynamic_loss_scale, optimizer
+            adopted, given_wrapper = optimizer.scaler, optimizer
             optimizer = optimizer.inner_optimizer
         elif isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             adopted = DynamicLossScale(
@@ -478,7 +484,7 @@ class MixedPrecisionModel(keras.Model):
             # As in Keras, a model that scales its loss trains through a
             # LossScaleOptimizer; and your own train_step applies through
             # self.optimizer: never a non-finite update, the scale in reach.
-            if given_wrapper is not None and given_wrapper.dynamic_loss_scale is self._loss_scale:
+            if given_wrapper is not None and given_wrapper.scaler is self._loss_scale:
                 self.optimizer = given_wrapper
             else:
                 self.optimizer = LossScaleOptimizer.for_model(self.optimizer, self._loss_scale)
@@ -628,7 +634,7 @@ class MixedPrecisionModel(keras.Model):
             return logs
         logs = dict(logs)
         if standard or record.loss_scaled:
-            logs.setdefault("loss_scale", loss_scale.current_scale())
+            logs.setdefault("loss_scale", loss_scale.loss_scale)
         # An epoch without an applied step has no gradient norm (0 would
         # read as vanishing gradients).
         logs.setdefault("grad_norm", tf.where(

@@ -389,7 +389,7 @@ def _check(model: keras.Model) -> list[Finding]:
 def _loss_scale_findings(model: keras.Model) -> list[Finding]:
     source = LossScaleSource.of(model)
     # An uncompiled model has not chosen its loss scale yet.
-    compiled = getattr(model, "optimizer", None) is not None or source.loss_scale is not None
+    compiled = getattr(model, "optimizer", None) is not None or source.scaler is not None
     if not compiled or source.active:
         return []
     return [Finding(

@@ -64,13 +64,14 @@ class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
         check_every: read the counters every this many training steps.
 
     Attributes:
-        nonfinite_steps: steps skipped for non-finite gradients so far.
+        skipped_steps: steps skipped for non-finite gradients so far.
         handled_steps: those of them that loss scaling handled (skipped
             with the scale above its minimum).
         error: the `NonFiniteGradientError` describing the divergence, or
             None while training is healthy.
 
-    Puts `nonfinite_steps` (this epoch's count) in the epoch logs.
+    Puts `skipped_steps` (this epoch's count, from the loss scale's
+    counters) in the epoch logs when the model does not report it already.
 
     Example:
 
@@ -98,7 +99,7 @@ class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
         self.action = action
         self.check_every = check_every
         self.async_safe = True  # pragma: no mutate (batch hooks count steps; reads are periodic)
-        self.nonfinite_steps = 0
+        self.skipped_steps = 0
         self.handled_steps = 0
         self.error: NonFiniteGradientError | None = None
         self._loss_scale = None  # pragma: no mutate (set by on_train_begin before any use)
@@ -122,7 +123,7 @@ class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._reset_progress()
         self.error = None
-        self._loss_scale = LossScaleSource.of(self.model).loss_scale
+        self._loss_scale = LossScaleSource.of(self.model).scaler
         if self._loss_scale is not None:
             # A new fit judges only its own steps: a divergence that stopped
             # an earlier fit must not be reported again on clean data.
@@ -154,9 +155,9 @@ class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
             self._check(step, logs)
         self._steps_before_epoch = step
         if self._loss_scale is not None:
-            logs["nonfinite_steps"] = float(
+            logs.setdefault("skipped_steps", float(
                 self._last_state["skipped_steps"] - self._epoch_start_skipped
-            )
+            ))
 
     # ------------------------------------------------------------ checking
     def _check(self, step: int, logs: dict | None) -> None:
@@ -187,7 +188,7 @@ class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
         # Only divergent steps since the last check count: the latch alone
         # would report a run that ended (or was reported) before.
         diverged = new_divergent > 0 and state["max_divergent_run"] >= self.patience
-        self.nonfinite_steps += new_skips
+        self.skipped_steps += new_skips
         self.handled_steps += max(new_skips - new_divergent, 0)
         if new_skips and not diverged:  # pragma: no mutate (a debug message only)
             logger.debug(

@@ -115,7 +115,7 @@ def run_policy(policy: str, settings: BenchSettings) -> dict[str, Any]:
 
 
 def _final_loss_scale(model) -> float | None:
-    getter = getattr(model, "get_loss_scale", None)
+    getter = getattr(model, "get_scale", None)
     return float(getter()) if getter is not None else None
 
 

@@ -3,7 +3,7 @@ README says (lines marked `# mp:`), with tiny layers for float16 on CPU.
 
 * `GuideModel`: "Customizing what happens in fit()", the first custom
   model, unchanged but for its base class (it never scales its loss).
-* `GAN`: that guide's GAN: two optimizers, `self.loss_scale.step`.
+* `GAN`: that guide's GAN: two optimizers, `self.scaler.step`.
 * `VAE`: keras-io's VAE: one optimizer, a KL term, a `Sampling` layer
   with a `SeedGenerator`; Keras 3's `self.optimizer.scale_loss`.
 * `WGANGP`: keras-io's WGAN-GP: several critic updates per training step
@@ -77,10 +77,10 @@ class GAN(mp.MixedPrecisionModel):  # mp: was keras.Model
         with tf.GradientTape() as tape:
             predictions = self.discriminator(combined_images)
             d_loss = self.loss_fn(labels, predictions)
-            scaled_d_loss = self.loss_scale.scale(d_loss)  # mp
+            scaled_d_loss = self.scaler.scale(d_loss)  # mp
         d_weights = self.discriminator.trainable_weights
         grads = tape.gradient(scaled_d_loss, d_weights)  # mp
-        self.loss_scale.step(self.d_optimizer, grads, d_weights, loss=d_loss)  # mp
+        self.scaler.step(self.d_optimizer, grads, d_weights, loss=d_loss)  # mp
 
         random_latent_vectors = keras.random.normal(
             shape=(batch_size, self.latent_dim), seed=self.seed_generator)
@@ -88,10 +88,10 @@ class GAN(mp.MixedPrecisionModel):  # mp: was keras.Model
         with tf.GradientTape() as tape:
             predictions = self.discriminator(self.generator(random_latent_vectors))
             g_loss = self.loss_fn(misleading_labels, predictions)
-            scaled_g_loss = self.loss_scale.scale(g_loss)  # mp
+            scaled_g_loss = self.scaler.scale(g_loss)  # mp
         g_weights = self.generator.trainable_weights
         grads = tape.gradient(scaled_g_loss, g_weights)  # mp
-        self.loss_scale.step(self.g_optimizer, grads, g_weights, loss=g_loss)  # mp
+        self.scaler.step(self.g_optimizer, grads, g_weights, loss=g_loss)  # mp
         self.d_loss_tracker.update_state(d_loss)
         self.g_loss_tracker.update_state(g_loss)
         return {"d_loss": self.d_loss_tracker.result(), "g_loss": self.g_loss_tracker.result()}
@@ -219,18 +219,18 @@ class WGANGP(mp.MixedPrecisionModel):  # mp: was keras.Model
                 d_cost = self.d_loss_fn(real_img=real_logits, fake_img=fake_logits)
                 gp = self.gradient_penalty(batch_size, real_images, fake_images)
                 d_loss = d_cost + gp * self.gp_weight
-                scaled_d_loss = self.loss_scale.scale(d_loss)  # mp
+                scaled_d_loss = self.scaler.scale(d_loss)  # mp
             d_gradient = tape.gradient(scaled_d_loss, self.discriminator.trainable_variables)  # mp
-            self.loss_scale.step(self.d_optimizer, d_gradient,  # mp
+            self.scaler.step(self.d_optimizer, d_gradient,  # mp
                                  self.discriminator.trainable_variables, loss=d_loss)
         random_latent_vectors = tf.random.normal(shape=(batch_size, self.latent_dim))
         with tf.GradientTape() as tape:
             generated_images = self.generator(random_latent_vectors, training=True)
             gen_img_logits = self.discriminator(generated_images, training=True)
             g_loss = self.g_loss_fn(gen_img_logits)
-            scaled_g_loss = self.loss_scale.scale(g_loss)  # mp
+            scaled_g_loss = self.scaler.scale(g_loss)  # mp
         gen_gradient = tape.gradient(scaled_g_loss, self.generator.trainable_variables)  # mp
-        self.loss_scale.step(self.g_optimizer, gen_gradient,  # mp
+        self.scaler.step(self.g_optimizer, gen_gradient,  # mp
                              self.generator.trainable_variables, loss=g_loss)
         return {"d_loss": d_loss, "g_loss": g_loss}
 

@@ -45,7 +45,7 @@ def main(out_path: str) -> None:
     history = model.fit(x, y, epochs=2, batch_size=16, shuffle=False, verbose=0,
                         validation_data=(x_val, y_val), callbacks=callbacks).history
     evaluation = model.evaluate(x_val, y_val, batch_size=16, verbose=0, return_dict=True)
-    state = model.loss_scale.diagnostics()
+    state = model.scaler.diagnostics()
     np.savez(
         out_path,
         *model.get_weights(),

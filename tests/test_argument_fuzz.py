@@ -113,7 +113,7 @@ def test_model_loss_scale_argument(value):
         return
     model.compile(keras.optimizers.SGD(0.01), "mse", run_eagerly=True)
     _fit(model, keras.callbacks.Callback())
-    assert math.isfinite(model.get_loss_scale()) and model.get_loss_scale() > 0
+    assert math.isfinite(model.get_scale()) and model.get_scale() > 0
 
 
 CALLBACK_ARGS = [

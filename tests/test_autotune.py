@@ -86,7 +86,7 @@ def test_the_layer_that_overflows_and_no_other_is_pinned_and_the_plan_trains():
     assert tuned.get_layer("naive_softmax").compute_dtype == "float32"
     history = tuned.fit(x, y, batch_size=32, epochs=1, verbose=0,
                         callbacks=[mp.NaNGradientMonitor(action="raise")]).history
-    assert history["skipped_steps"] == [0.0] and tuned.loss_scale.initial_scale == plan.initial_scale
+    assert history["skipped_steps"] == [0.0] and tuned.scaler.initial_scale == plan.initial_scale
 
 
 def test_a_healthy_model_gets_no_pinned_layer():
@@ -171,7 +171,7 @@ def test_a_plan_round_trips_through_json_and_its_model_through_keras_files(tmp_p
     loaded = keras.models.load_model(path)
     assert {layer.name: layer.compute_dtype for layer in loaded.layers[1:]} == {
         "scores": "float16", "naive_softmax": "float32", "dense": "float16", "head": "float32"}
-    assert loaded.loss_scale.initial_scale == 1024.0
+    assert loaded.scaler.initial_scale == 1024.0
     for ours, theirs in zip(loaded.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(ours, theirs)
     assert "mp.with_float32_layers(model, ['naive_softmax'])" in plan.code

@@ -69,7 +69,7 @@ def test_warn_mode_warns_once_per_divergent_check_and_never_after():
     assert len(messages) == 4
     assert [m.split("by step ")[1].split(":")[0] for m in messages] == ["1", "2", "3", "4"]
     assert all("the loss was non-finite" in m and "minimum" not in m for m in messages)
-    assert history.history["nonfinite_steps"] == [4.0]
+    assert history.history["skipped_steps"] == [4.0]
 
 
 def _growing_model(name: str = "a"):
@@ -88,7 +88,7 @@ def test_loss_scale_monitor_reused_across_fits_and_models_reads_the_live_scale()
     for _ in range(3):
         history = model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[monitor])
         logged.append(monitor.history[-1]["loss_scale"])
-        actual.append(model.get_loss_scale())
+        actual.append(model.get_scale())
         assert history.history["loss_scale"] == [actual[-1]]
     assert actual == [4096.0, 65536.0, 1048576.0]
     assert logged == actual
@@ -120,7 +120,7 @@ def test_collapse_inside_an_epoch_is_reported_even_after_recovery():
     monitor = mp.LossScaleMonitor(max_skipped_fraction=1.0)
     with pytest.warns(mp.MixedPrecisionWarning, match=r"collapsed to 1 .*during epoch 1"):
         model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=[monitor])
-    assert model.get_loss_scale() == 64.0  # 4 -> 2 -> 1, then six growths
+    assert model.get_scale() == 64.0  # 4 -> 2 -> 1, then six growths
 
 
 class _FakeClock:

@@ -38,7 +38,7 @@ def fitted(tmp_path_factory):
                 timer=timer, csv_path=csv_path, tb_dir=tb_dir)
 
 
-CALLBACK_KEYS = {"loss_scale", "nonfinite_steps", "epoch_time", "steps_per_sec", "samples_per_sec", "val_time"}
+CALLBACK_KEYS = {"loss_scale", "skipped_steps", "epoch_time", "steps_per_sec", "samples_per_sec", "val_time"}
 
 
 def test_history_has_every_callback_key(fitted):
@@ -48,7 +48,7 @@ def test_history_has_every_callback_key(fitted):
         assert len(history[key]) == EPOCHS
     # 48 training samples, 3 steps per epoch; growth every 5 steps: 32 -> 64 at step 5.
     assert history["loss_scale"] == [32.0, 64.0, 64.0]
-    assert history["nonfinite_steps"] == [0.0, 0.0, 0.0]
+    assert history["skipped_steps"] == [0.0, 0.0, 0.0]
     # The sample count is read from the model, not derived from the rate.
     assert [r["samples"] for r in fitted["timer"].records] == [48.0, 48.0, 48.0]
     assert [r["steps"] for r in fitted["timer"].records] == [3, 3, 3]

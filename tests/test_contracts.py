@@ -392,12 +392,12 @@ def test_keras_3_config_layout_and_integral_growth_steps():
     assert sorted(config) == ["dynamic_growth_steps", "initial_scale", "inner_optimizer", "name"]
     assert config["dynamic_growth_steps"] == 2 and config["initial_scale"] == 3.0
     revived = LossScaleOptimizer.from_config(config)
-    assert revived.dynamic_loss_scale.get_config() == optimizer.dynamic_loss_scale.get_config()
+    assert revived.scaler.get_config() == optimizer.scaler.get_config()
     fixed = LossScaleOptimizer(keras.optimizers.SGD(), dynamic=False, initial_scale=8.0)
     assert LossScaleOptimizer.from_config(fixed.get_config()).get_scale() == 8.0
     hysteresis = LossScaleOptimizer(keras.optimizers.SGD(), hysteresis=2, min_scale=4.0)
-    assert LossScaleOptimizer.from_config(hysteresis.get_config()).dynamic_loss_scale.get_config() \
-        == hysteresis.dynamic_loss_scale.get_config()
+    assert LossScaleOptimizer.from_config(hysteresis.get_config()).scaler.get_config() \
+        == hysteresis.scaler.get_config()
 
 
 def test_unknown_arguments_are_refused_as_both_peers_refuse_them():

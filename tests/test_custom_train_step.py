@@ -55,7 +55,7 @@ def test_gan_skips_the_poisoned_step_for_the_discriminator_only():
     assert _finite(model)
     assert skipped == [0.0, 0.0, 1.0, 1.0]  # counted at the poisoned step
     assert history["skipped_steps"] == [1.0]
-    state = model.loss_scale.diagnostics()
+    state = model.scaler.diagnostics()
     assert state["step_count"] == 4 and state["skipped_steps"] == 1  # one update per step
     assert history["loss_scale"] == [2.0**14]  # backed off once, for both optimizers
     # Real images reach the discriminator's update only.
@@ -88,7 +88,7 @@ def test_wgan_gp_skips_every_critic_update_of_the_poisoned_step():
     history, skipped = _fit(model, _poisoned(4))
     assert _finite(model)
     assert skipped == [0.0, 0.0, 1.0, 1.0]
-    assert model.loss_scale.diagnostics()["step_count"] == 4
+    assert model.scaler.diagnostics()["step_count"] == 4
     assert int(model.d_optimizer.iterations.numpy()) == 3 * 3  # 3 critic updates a step
     assert int(model.g_optimizer.iterations.numpy()) == 4
 
@@ -148,7 +148,7 @@ class _Scaling(mp.MixedPrecisionModel):
             elif self.spelling == "get_scaled_loss":  # tf.keras
                 scaled = self.optimizer.get_scaled_loss(loss)
             else:
-                scaled = self.loss_scale.scale(loss)
+                scaled = self.scaler.scale(loss)
         grads = tape.gradient(scaled, variables)
         if self.spelling == "scale_loss":
             self.optimizer.apply(grads, variables)
@@ -156,7 +156,7 @@ class _Scaling(mp.MixedPrecisionModel):
             grads = self.optimizer.get_unscaled_gradients(grads)
             self.optimizer.apply_gradients(zip(grads, variables))
         else:
-            self.loss_scale.step(self.optimizer, grads, variables)
+            self.scaler.step(self.optimizer, grads, variables)
         return {"loss": loss}
 
 
@@ -330,7 +330,7 @@ def test_auto_scale_loss_false_means_no_scaling_as_in_keras():
         kernel = model.dense_layers[0].kernel.numpy()
         moved[auto_scale_loss] = not np.array_equal(kernel, np.ones_like(kernel))
     assert moved == {False: False, True: True}
-    assert not model.loss_scale.is_dynamic or model.get_loss_scale() > 1
+    assert not model.scaler.is_dynamic or model.get_scale() > 1
 
 
 # ------------------------------------------------------ sparse and ragged
@@ -407,4 +407,4 @@ def test_an_override_calling_super_train_step_is_one_step_traced_once():
     history = model.fit(np.ones((100, 4)), np.ones((100, 1)), batch_size=1, verbose=0).history
     assert len(traces) <= 2
     assert history["my_custom_metric"] == [10.0] and history["skipped_steps"] == [0.0]
-    assert model.loss_scale.diagnostics()["step_count"] == 100  # once per step, not twice
+    assert model.scaler.diagnostics()["step_count"] == 100  # once per step, not twice

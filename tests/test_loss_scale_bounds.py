@@ -65,7 +65,7 @@ def test_scales_whose_gradients_underflow_are_refused_and_the_floor_trains():
     model.compile(keras.optimizers.SGD(0.1), "mse", run_eagerly=True)
     before = model.get_weights()
     model.fit(np.ones((4, 2), "float32"), np.full((4, 1), 3.0, "float32"), epochs=1, verbose=0)
-    assert model.get_loss_scale() == MIN_LOSS_SCALE
+    assert model.get_scale() == MIN_LOSS_SCALE
     assert all(not np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
 
 
@@ -143,7 +143,7 @@ def test_numpy_numbers_are_accepted():
     inputs = keras.Input((2,))
     model = mp.MixedPrecisionModel(inputs, keras.layers.Dense(1)(inputs), loss_scale=np.float32(128))
     model.compile("sgd", "mse")
-    assert model.get_loss_scale() == 128.0
+    assert model.get_scale() == 128.0
 
 
 @pytest.mark.parametrize("value", [True, np.bool_(False), "8", None, [2.0]])

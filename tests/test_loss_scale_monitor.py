@@ -125,7 +125,7 @@ def test_collapse_threshold_is_strict():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=[monitor])
-    assert model.get_loss_scale() == 2.0  # one backoff: at the threshold, not below it
+    assert model.get_scale() == 2.0  # one backoff: at the threshold, not below it
     assert not [w for w in caught if "collapsed" in str(w.message)]
     monitor_below = mp.LossScaleMonitor(collapse_threshold=2.5, max_skipped_fraction=1.0)
     model2 = _scale_model(initial_scale=4.0, min_scale=1.0)
@@ -187,7 +187,7 @@ def test_a_collapse_before_this_fit_is_not_reported_and_one_at_epoch_end_names_t
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model.fit(x, y, batch_size=8, verbose=0, callbacks=[mp.LossScaleMonitor()])
-    assert model.get_loss_scale() == 16.0
+    assert model.get_scale() == 16.0
     assert not [w for w in caught if "collapsed" in str(w.message)]
     data = np.concatenate([x, bad]), np.concatenate([y, y])
     model2 = _scale_model(initial_scale=4.0, growth_interval=100, min_scale=1.0)  # 4 -> 2 -> 1
@@ -286,7 +286,7 @@ def test_calibrating_down_from_initial_scale_is_not_warned_about_but_recorded(ca
     assert history["skipped_steps"] == [1.0]  # still in the logs
     assert not [w for w in caught if "were skipped" in str(w.message)]
     assert [r["loss_scale"] for r in monitor.history][:2] == [2.0**20, 2.0**20]
-    assert model.loss_scale.diagnostics()["calibration_steps"] == 1
+    assert model.scaler.diagnostics()["calibration_steps"] == 1
     assert any("came down from its initial_scale" in r.getMessage() for r in caplog.records)
     # A bad batch is not calibration, even first: its loss is not finite.
     model = _scale_model(initial_scale=4.0)
@@ -296,4 +296,4 @@ def test_calibrating_down_from_initial_scale_is_not_warned_about_but_recorded(ca
     with pytest.warns(mp.MixedPrecisionWarning, match="1 of 4 steps"):
         model.fit(x_bad, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
                   callbacks=[mp.LossScaleMonitor()])
-    assert model.loss_scale.diagnostics()["calibration_steps"] == 0
+    assert model.scaler.diagnostics()["calibration_steps"] == 0

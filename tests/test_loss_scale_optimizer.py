@@ -75,7 +75,7 @@ def test_serializes_and_saves_its_scale_with_a_stock_model(tmp_path):
     optimizer = LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=512.0, hysteresis=2)
     revived = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(optimizer))
     assert isinstance(revived, LossScaleOptimizer)
-    assert revived.dynamic_loss_scale.get_config() == optimizer.dynamic_loss_scale.get_config()
+    assert revived.scaler.get_config() == optimizer.scaler.get_config()
     assert revived.inner_optimizer.get_config() == optimizer.inner_optimizer.get_config()
 
     model = _model()
@@ -90,7 +90,7 @@ def test_serializes_and_saves_its_scale_with_a_stock_model(tmp_path):
     loaded = keras.models.load_model(path)
     assert isinstance(loaded.optimizer, LossScaleOptimizer)
     assert loaded.optimizer.get_scale() == 256.0
-    assert loaded.optimizer.dynamic_loss_scale.diagnostics() == optimizer.dynamic_loss_scale.diagnostics()
+    assert loaded.optimizer.scaler.diagnostics() == optimizer.scaler.diagnostics()
 
 
 def test_stock_fit_does_not_scale_twice():
@@ -110,7 +110,7 @@ def test_mixed_precision_model_adopts_its_loss_scale():
     model = mp.MixedPrecisionModel(inputs, keras.layers.Dense(2)(inputs))
     optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=64.0)
     model.compile(optimizer, "mse")
-    assert model.loss_scale is optimizer.dynamic_loss_scale
+    assert model.scaler is optimizer.scaler
     assert model.optimizer is optimizer  # adopted, so the model trains through it
 
 

@@ -99,8 +99,8 @@ def test_history_has_the_three_keys_every_epoch(trained_pair):
     assert all(len(logs[key]) == 2 for key in mp.LOG_KEYS)
     # 4 clean steps per epoch, growth every 3: 64 -> 128 (step 3) -> 256 (step 6).
     assert logs["loss_scale"] == [128.0, 256.0]
-    assert model.get_loss_scale() == 256.0
-    assert isinstance(model.get_loss_scale(), float)
+    assert model.get_scale() == 256.0
+    assert isinstance(model.get_scale(), float)
     assert logs["skipped_steps"] == [0.0, 0.0]
 
 
@@ -157,7 +157,7 @@ def test_dynamic_scale_backs_off_until_steps_are_finite():
     history = model.fit(x, targets, epochs=2, batch_size=2, verbose=0).history
     skipped = history["skipped_steps"]
     assert skipped[0] > 0 and skipped[1] == 0
-    state = model.loss_scale.diagnostics()
+    state = model.scaler.diagnostics()
     assert state["skipped_steps"] == skipped[0]
     assert int(model.optimizer.iterations.numpy()) == 64 - skipped[0]
     assert history["loss_scale"][0] == 2.0 ** (127 - skipped[0])
@@ -177,7 +177,7 @@ def test_steps_per_execution_and_jit_compile_train_identically():
             steps_per_execution=steps_per_execution, jit_compile=jit_compile,
         )
         history = model.fit(x, targets, epochs=2, batch_size=4, shuffle=False, verbose=0).history
-        results.append((history, model.get_weights(), model.loss_scale.diagnostics()))
+        results.append((history, model.get_weights(), model.scaler.diagnostics()))
     (h1, w1, d1), (h2, w2, d2) = results
     assert h1["skipped_steps"] == h2["skipped_steps"]
     assert sum(h1["skipped_steps"]) == d1["skipped_steps"] > 0
@@ -217,8 +217,8 @@ def test_mixed_float16_auto_uses_one_dynamic_scale():
     model.compile(sgd, "sparse_categorical_crossentropy")
     # As in Keras: one LossScaleOptimizer, and it is the model's own scale.
     assert isinstance(model.optimizer, mp.LossScaleOptimizer)
-    assert model.optimizer.inner_optimizer is sgd and model.optimizer.dynamic_loss_scale is model.loss_scale
-    assert model.loss_scale.is_dynamic and model.loss_scale.initial_scale == 2.0**15
+    assert model.optimizer.inner_optimizer is sgd and model.optimizer.scaler is model.scaler
+    assert model.scaler.is_dynamic and model.scaler.initial_scale == 2.0**15
     history = model.fit(x, y, epochs=1, batch_size=16, verbose=0).history
     assert history["loss_scale"] == [2.0**15]
     assert model.layers[1].compute_dtype == "float16"
@@ -235,8 +235,8 @@ def test_seed_recipe_loss_scale_optimizer_is_adopted_not_stacked():
     assert isinstance(model.optimizer, mp.LossScaleOptimizer)  # Keras's is replaced, not stacked
     assert model.optimizer.inner_optimizer is wrapped.inner_optimizer
     assert model.optimizer.dynamic_growth_steps == 2
-    assert model.loss_scale.initial_scale == 256.0
-    assert model.loss_scale.growth_interval == 2
+    assert model.scaler.initial_scale == 256.0
+    assert model.scaler.growth_interval == 2
     history = model.fit(x, y, epochs=1, batch_size=8, verbose=0).history
     # 4 clean steps, growth every 2: one consistent scale 256 -> 1024.
     assert history["loss_scale"] == [1024.0]
@@ -247,8 +247,8 @@ def test_bfloat16_and_float32_auto_use_no_scaling():
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
     model = tiny_classifier()
     model.compile("sgd", "sparse_categorical_crossentropy")
-    assert not model.loss_scale.scaling_active
-    assert model.get_loss_scale() == 1.0
+    assert not model.scaler.scaling_active
+    assert model.get_scale() == 1.0
 
 
 def test_per_variable_nonfinite_counts_name_the_poisoned_layer():
@@ -322,9 +322,9 @@ def test_keras_save_and_load_keep_config_and_current_scale(tmp_path, trained_pai
     loaded = keras.models.load_model(path)  # no custom_objects
     assert type(loaded).__name__ == "MixedPrecisionModel"
     assert isinstance(loaded, mp.MixedPrecisionModel)
-    assert loaded.loss_scale.get_config() == model.loss_scale.get_config()
-    assert loaded.get_loss_scale() == model.get_loss_scale() == 256.0
-    assert loaded.loss_scale.diagnostics() == model.loss_scale.diagnostics()
+    assert loaded.scaler.get_config() == model.scaler.get_config()
+    assert loaded.get_scale() == model.get_scale() == 256.0
+    assert loaded.scaler.diagnostics() == model.scaler.diagnostics()
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
 
 
@@ -339,10 +339,10 @@ def test_weights_checkpoint_round_trip_keeps_scale(tmp_path):
 
     fresh = tiny_classifier(seed=9, loss_scale=mp.DynamicLossScale(initial_scale=2.0**127, max_scale=2.0**127))
     fresh.compile(keras.optimizers.SGD(1e-4), "mse")
-    assert fresh.get_loss_scale() == 2.0**127
+    assert fresh.get_scale() == 2.0**127
     fresh.load_weights(path)
-    assert fresh.get_loss_scale() == model.get_loss_scale() < 2.0**127
-    assert fresh.loss_scale.diagnostics() == model.loss_scale.diagnostics()
+    assert fresh.get_scale() == model.get_scale() < 2.0**127
+    assert fresh.scaler.diagnostics() == model.scaler.diagnostics()
     for a, b in zip(fresh.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
 
@@ -356,7 +356,7 @@ def test_mirrored_strategy_skips_on_every_replica(two_cpu_strategy):
     history = model.fit(x, y, epochs=1, batch_size=8, shuffle=False, verbose=0).history
     assert history["skipped_steps"] == [1.0]
     assert int(model.optimizer.iterations.numpy()) == 7
-    scale_replicas = [v.numpy() for v in model.loss_scale._scale.values]
+    scale_replicas = [v.numpy() for v in model.scaler._scale.values]
     assert scale_replicas == [128.0, 128.0]
     assert history["loss_scale"] == [128.0]
     for variable in model.trainable_variables:
@@ -403,12 +403,12 @@ def test_subclassed_model_saves_and_loads_with_its_scale(tmp_path):
     net = SerializableNet(units=8, loss_scale=mp.DynamicLossScale(initial_scale=64.0, growth_interval=2))
     net.compile("adam", "sparse_categorical_crossentropy")
     net.fit(x, y, epochs=1, batch_size=8, verbose=0)
-    assert net.get_loss_scale() == 256.0
+    assert net.get_scale() == 256.0
     net.save(tmp_path / "net.keras")
     loaded = keras.models.load_model(tmp_path / "net.keras")
     assert type(loaded) is SerializableNet and loaded.units == 8
-    assert loaded.get_loss_scale() == 256.0
-    assert loaded.loss_scale.get_config() == net.loss_scale.get_config()
+    assert loaded.get_scale() == 256.0
+    assert loaded.scaler.get_config() == net.scaler.get_config()
     np.testing.assert_allclose(loaded.predict(x, verbose=0), net.predict(x, verbose=0))
 
 
@@ -460,14 +460,14 @@ def test_set_loss_scale_replaces_the_scale_and_retraces():
     model = tiny_classifier(loss_scale=4.0)
     model.compile("sgd", "sparse_categorical_crossentropy")
     model.fit(x, y, batch_size=8, verbose=0)
-    assert model.get_loss_scale() == 4.0 and model.train_function is not None
+    assert model.get_scale() == 4.0 and model.train_function is not None
     model.set_loss_scale(mp.DynamicLossScale(initial_scale=64.0, growth_interval=1))
     assert model.train_function is None
-    assert model.loss_scale.built  # counters for the built model's variables
+    assert model.scaler.built  # counters for the built model's variables
     history = model.fit(x, y, batch_size=8, verbose=0).history
     assert history["loss_scale"] == [256.0]
     model.set_loss_scale("auto")  # compiled: resolved at once
-    assert model.loss_scale.get_config()["max_scale"] == 1.0
+    assert model.scaler.get_config()["max_scale"] == 1.0
 
 
 class _LossInputsRecorder(mp.MixedPrecisionModel):

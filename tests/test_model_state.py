@@ -94,17 +94,17 @@ def test_a_failed_load_changes_nothing(tmp_path, case):
         _trained(mp.DynamicLossScale(initial_scale=8.0), units=5).save_weights(path)
     elif case == "corrupted_scale":
         source = _trained(mp.DynamicLossScale(initial_scale=8.0))
-        source.loss_scale._state["scale"].assign(np.nan)
+        source.scaler._state["scale"].assign(np.nan)
         source.save_weights(path)
     else:
         path = str(tmp_path / "absent.weights.h5")
     weights = _values(target.variables) + _values(target.optimizer.variables)
-    state = target.loss_scale.diagnostics()
+    state = target.scaler.diagnostics()
     with pytest.raises(Exception) as caught:
         target.load_weights(path)
     if case == "corrupted_scale":
         assert "loss scale" in str(caught.value)
-    assert target.loss_scale.diagnostics() == state
+    assert target.scaler.diagnostics() == state
     for old, new in zip(weights, _values(target.variables) + _values(target.optimizer.variables)):
         np.testing.assert_array_equal(old, new)
 
@@ -125,7 +125,7 @@ def test_weights_load_into_a_plain_keras_model_for_serving(tmp_path):
     # And back: the loss scale is still in the file for a MixedPrecisionModel.
     again = tiny_classifier(loss_scale=mp.DynamicLossScale(initial_scale=2.0), seed=3)
     again.load_weights(path)
-    assert again.get_loss_scale() == 64.0
+    assert again.get_scale() == 64.0
 
 
 def test_export_serves_without_mp_callbacks(tmp_path):

@@ -44,8 +44,8 @@ def test_warn_keeps_training_and_counts():
     with pytest.warns(mp.MixedPrecisionWarning, match="poisoned/kernel"):
         history = model.fit(x, y, epochs=2, batch_size=8, verbose=0, callbacks=[monitor])
     assert len(history.history["loss"]) == 2
-    assert history.history["nonfinite_steps"] == [4.0, 4.0]
-    assert monitor.nonfinite_steps == 8
+    assert history.history["skipped_steps"] == [4.0, 4.0]
+    assert monitor.skipped_steps == 8
 
 
 def test_overflow_handled_by_scaling_is_not_divergence():
@@ -66,14 +66,14 @@ def test_healthy_training_reads_the_device_only_every_check_every_steps():
     model = tiny_classifier()
     model.compile("adam", "sparse_categorical_crossentropy")
     reads = []
-    original = model.loss_scale.diagnostics
-    model.loss_scale.diagnostics = lambda: reads.append(1) or original()
+    original = model.scaler.diagnostics
+    model.scaler.diagnostics = lambda: reads.append(1) or original()
     monitor = mp.NaNGradientMonitor(check_every=5)
     history = model.fit(x, y, epochs=2, batch_size=4, verbose=0, callbacks=[monitor])
     # 32 steps: one read at train begin, at steps 5,10,15 / 21,26,31 and 2 epoch ends.
     assert len(reads) == 1 + 6 + 2
-    assert monitor.error is None and monitor.nonfinite_steps == 0
-    assert history.history["nonfinite_steps"] == [0.0, 0.0]
+    assert monitor.error is None and monitor.skipped_steps == 0
+    assert history.history["skipped_steps"] == [0.0, 0.0]
 
 
 def test_stock_model_watches_the_loss():
@@ -233,17 +233,17 @@ def test_counts_per_check_and_per_epoch_are_exact():
     monitor.on_train_batch_end(0)
     _state(loss_scale, (0, 2, 0), skipped_steps=2, step_count=2)
     monitor.on_train_batch_end(1)  # step 2: a check
-    assert (monitor.nonfinite_steps, monitor.handled_steps) == (2, 2)
+    assert (monitor.skipped_steps, monitor.handled_steps) == (2, 2)
     logs = {}
     monitor.on_epoch_end(0, logs)
-    assert logs == {"nonfinite_steps": 2.0}
+    assert logs == {"skipped_steps": 2.0}
     monitor.on_epoch_begin(1)
     _state(loss_scale, (0, 5, 0), skipped_steps=5, step_count=3)
     monitor.on_train_batch_end(0)
     logs = {}
     monitor.on_epoch_end(1, logs)
-    assert logs == {"nonfinite_steps": 3.0}  # this epoch's, not the total
-    assert (monitor.nonfinite_steps, monitor.handled_steps) == (5, 5)
+    assert logs == {"skipped_steps": 3.0}  # this epoch's, not the total
+    assert (monitor.skipped_steps, monitor.handled_steps) == (5, 5)
     monitor.on_epoch_begin(2)
     monitor.on_epoch_end(2, None)  # logs=None is allowed
     assert monitor.error is None
@@ -314,7 +314,7 @@ def test_a_stock_model_is_judged_on_the_epoch_end_loss():
 def test_defaults():
     monitor = mp.NaNGradientMonitor()
     assert monitor.get_config() == {"patience": 1, "action": "stop", "check_every": 200}
-    assert monitor.error is None and (monitor.nonfinite_steps, monitor.handled_steps) == (0, 0)
+    assert monitor.error is None and (monitor.skipped_steps, monitor.handled_steps) == (0, 0)
 
 
 def test_culprits_are_the_variables_whose_count_grew_since_the_last_check():
@@ -329,7 +329,7 @@ def test_culprits_are_the_variables_whose_count_grew_since_the_last_check():
     with pytest.warns(mp.MixedPrecisionWarning):
         monitor.on_train_batch_end(1)
     assert monitor.error.variables == ["b/kernel"] and monitor.error.origin == "b"
-    assert (monitor.nonfinite_steps, monitor.handled_steps) == (2, 1)
+    assert (monitor.skipped_steps, monitor.handled_steps) == (2, 1)
 
 
 def test_divergence_without_loss_scaling_says_so():

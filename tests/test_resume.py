@@ -53,7 +53,7 @@ def uninterrupted():
 def _assert_same_run(model, reference):
     for ours, theirs in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-7)
-    assert model.loss_scale.diagnostics() == reference.loss_scale.diagnostics()
+    assert model.scaler.diagnostics() == reference.scaler.diagnostics()
     assert model.nonfinite_gradient_counts() == reference.nonfinite_gradient_counts()
     assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
 
@@ -65,7 +65,7 @@ def test_backup_and_restore_resumes_with_the_same_loss_scale(tmp_path, uninterru
         model.fit(X, TARGETS, callbacks=[keras.callbacks.BackupAndRestore(backup), Crash(epoch=2, batch=3)], **FIT)
     # The crashed model object holds a half-finished epoch 2; resuming must
     # overwrite all of it, loss-scale state included, from the epoch-1 backup.
-    assert model.loss_scale.diagnostics() != uninterrupted.loss_scale.diagnostics()
+    assert model.scaler.diagnostics() != uninterrupted.scaler.diagnostics()
     history = model.fit(X, TARGETS, callbacks=[keras.callbacks.BackupAndRestore(backup)], **FIT).history
     assert len(history["loss"]) == 2  # epochs 3 and 4 (indices 2, 3) run again from the epoch-2 backup
     _assert_same_run(model, uninterrupted)
@@ -88,7 +88,7 @@ def test_model_checkpoint_weights_and_initial_epoch(tmp_path, uninterrupted):
               **{**FIT, "epochs": 2})
     second = _model()
     second.load_weights(path)
-    assert second.get_loss_scale() == first.get_loss_scale()
+    assert second.get_scale() == first.get_scale()
     second.fit(X, TARGETS, initial_epoch=2, **FIT)
     _assert_same_run(second, uninterrupted)
 
@@ -113,4 +113,4 @@ def test_weights_files_keep_a_plain_optimizers_layout_when_the_model_wraps_it(tm
     again = tiny_classifier(loss_scale=mp.DynamicLossScale(initial_scale=2.0))
     again.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
     again.load_weights(path)
-    assert again.get_loss_scale() == 8.0 and int(again.optimizer.iterations.numpy()) == 4
+    assert again.get_scale() == 8.0 and int(again.optimizer.iterations.numpy()) == 4

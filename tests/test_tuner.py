@@ -50,7 +50,7 @@ def test_search_with_the_three_callbacks_and_epoch_time_objective(kind, tmp_path
     assert len(completed) >= 2
     for trial in completed:
         assert trial.score > 0
-        for metric in ("epoch_time", "loss_scale", "samples_per_sec", "nonfinite_steps", "grad_norm"):
+        for metric in ("epoch_time", "loss_scale", "samples_per_sec", "skipped_steps", "grad_norm"):
             assert trial.metrics.exists(metric), metric
     # Every build saw exactly its trial's policy, and nothing leaked out.
     assert POLICIES_AT_BUILD and all(chosen == seen for chosen, seen in POLICIES_AT_BUILD)
