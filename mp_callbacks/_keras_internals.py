@@ -55,6 +55,14 @@ def global_seed_generator_state() -> Any:
     return None if generator is None else generator.state
 
 
+def strategy_supports_no_merge_call() -> bool:
+    """TensorFlow's own test of whether the current strategy's optimizer
+    updates need no `merge_call` (Keras's LossScaleOptimizer asks it too)."""
+    from mp_callbacks._backend import tf
+
+    return bool(tf.__internal__.distribute.strategy_supports_no_merge_call())
+
+
 def keras_saveable_class() -> type:
     from keras.src.saving.keras_saveable import KerasSaveable
 
@@ -174,6 +182,9 @@ def _object_registration() -> bool:
 
 
 INTERNALS = (
+    Internal("tf.__internal__.distribute.strategy_supports_no_merge_call",
+             "_skip.py, loss_scale.py (where the skip and the state update run under a strategy)",
+             lambda: isinstance(strategy_supports_no_merge_call(), bool)),
     Internal("keras.src.models.functional.Functional", "model.py (functional MixedPrecisionModel)",
              lambda: isinstance(functional_class(), type)),
     Internal("keras.Model.__init__ = TensorFlowTrainer.__init__ + Functional.__init__ for a functional call",

@@ -1,23 +1,16 @@
-"""The loss-scale state machine: `DynamicLossScale`.
+"""`DynamicLossScale`: dynamic loss scaling, usable alone or by the model.
 
 One object holds the loss scale and its counters in TensorFlow variables and
 makes the one decision a mixed-precision step needs: were all gradients
 finite? If so they are applied and the scale may grow; if not, the step is
 skipped and the scale may back off. `MixedPrecisionModel.train_step` uses it,
-and it works alone in a hand-written `tf.function` loop.
+your own `train_step` can (`scale`, then `step`), and it works alone in a
+hand-written `tf.function` loop, as PyTorch's `GradScaler` does.
 
-State transitions (per call of `apply_gradients`), as in PyTorch's
-`GradScaler` and Megatron-LM's `DynamicGradScaler`:
-
-* finite step: the optimizer is applied and `good_steps += 1`. When
-  `good_steps` reaches `growth_interval`, the scale is multiplied by
-  `growth_factor` (capped at `max_scale`), `good_steps` is reset to 0 and the
-  hysteresis budget is refilled to `hysteresis`.
-* non-finite step: nothing is applied (weights and optimizer state, including
-  its iteration count, stay as they were), `good_steps` is reset to 0 and one
-  unit of the hysteresis budget is spent. When the budget is exhausted the
-  scale is multiplied by `backoff_factor` (floored at `min_scale`); the budget
-  then stays at 0, so every further overflow backs off until the next growth.
+It is assembled from three parts, each with one contract: the state machine
+(`mp_callbacks._scale_state`: settings, transitions, checked restore), the
+gradient check and the decision (`mp_callbacks._gradient_check`), and the
+mechanism that applies or skips an update (`mp_callbacks._skip`).
 
 A fixed scale is the degenerate machine with `min_scale == max_scale`
 (`DynamicLossScale.fixed(128.0)`); no scaling is the fixed scale 1.0
@@ -29,21 +22,38 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import numbers
 import threading
 import warnings
-from typing import Any, Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from mp_callbacks import _scale_state
 from mp_callbacks._backend import keras, tf
-from mp_callbacks._gated_update import gated_apply
+from mp_callbacks._gradient_check import (
+    CheckedGradients,
+    applied_norm,
+    check_gradients,
+    decision,
+    nonfinite_flag,
+)
+from mp_callbacks._keras_internals import strategy_supports_no_merge_call
+from mp_callbacks._scale_state import (
+    MAX_FIXED_LOSS_SCALE,
+    MIN_LOSS_SCALE,
+    STATE_VARIABLES,
+    ScaleSettings,
+    check_fixed_scale,
+    check_scale,
+)
+from mp_callbacks._skip import apply_or_skip, restore_if_skipped
 from mp_callbacks._step_record import StepRecord
-from mp_callbacks._validation import FLOAT32_MAX, check_int, check_real, fail
+from mp_callbacks._validation import FLOAT32_MAX, fail
 from mp_callbacks.errors import MixedPrecisionWarning
 
-__all__ = ["CheckedGradients", "DynamicLossScale", "STATE_VARIABLES"]
+__all__ = ["CheckedGradients", "DynamicLossScale", "STATE_VARIABLES", "MIN_LOSS_SCALE",
+           "MAX_FIXED_LOSS_SCALE", "check_scale", "check_fixed_scale"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,128 +62,17 @@ _ONLY_FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
 # to convert there, and some TensorFlow releases mis-convert them.
 _no_autograph = tf.autograph.experimental.do_not_convert
 _OWNER = "DynamicLossScale"
-
-#: The smallest loss scale accepted anywhere (fixed, initial, min or max):
-#: 2**-24, float16's smallest positive value. A scale exists to move
-#: gradients into the compute dtype's range; far below this, a loss of order
-#: one times the scale leaves float32 gradients that CPUs flush to zero, and
-#: every step silently applies zeros.
-MIN_LOSS_SCALE = 2.0**-24
-#: The largest fixed scale given as a plain number. A fixed scale cannot back
-#: off, so one that overflows does so on every step; up to 2**64, gradients
-#: keep 2**64 of float32's range (about as much as the floor leaves below).
-#: A `DynamicLossScale` takes any float32 scale, e.g. 2**127 to provoke
-#: overflows on purpose.
-MAX_FIXED_LOSS_SCALE = 2.0**64
-SCALE_REQUIREMENT = "a finite number >= 2**-24 (5.96e-08)"
-FIXED_SCALE_REQUIREMENT = "a number from 2**-24 (5.96e-08) to 2**64 (1.84e+19) when it is a fixed scale"
-
-
-def check_scale(owner: str, argument: str, value: Any) -> float:
-    """A loss scale (initial, min or max) as a float; raises naming
-    `argument` below MIN_LOSS_SCALE or beyond float32."""
-    return check_real(owner, argument, value, low=MIN_LOSS_SCALE, float32=True,
-                      requirement=SCALE_REQUIREMENT)
-
-
-def check_fixed_scale(owner: str, argument: str, value: Any) -> float:
-    """A fixed loss scale given as a plain number, as a float; raises
-    naming `argument` outside [MIN_LOSS_SCALE, MAX_FIXED_LOSS_SCALE]."""
-    return check_real(owner, argument, value, low=MIN_LOSS_SCALE, high=MAX_FIXED_LOSS_SCALE,
-                      requirement=FIXED_SCALE_REQUIREMENT)
-
-
-class _StateVariable(NamedTuple):
-    name: str
-    dtype: Any
-    doc: str
-
-
-#: The one table of the state machine's variables. Their names are the keys
-#: of `diagnostics()`, `get_state()`/`set_state()` and of the saved weights.
-STATE_VARIABLES = (
-    _StateVariable("scale", tf.float32, "the current loss scale"),
-    _StateVariable("good_steps", tf.int64, "finite steps since the last growth or overflow"),
-    _StateVariable("hysteresis_left", tf.int64, "overflows left before the next backoff"),
-    _StateVariable("step_count", tf.int64, "steps seen (applied or skipped)"),
-    _StateVariable("skipped_steps", tf.int64, "steps skipped for non-finite gradients"),
-    _StateVariable("nonfinite_loss_steps", tf.int64, "steps whose loss was non-finite"),
-    _StateVariable(
-        "divergent_steps", tf.int64,
-        "divergent steps: a non-finite loss, or a skipped step with the scale at min_scale",
-    ),
-    _StateVariable("divergent_run", tf.int64, "the current run of consecutive divergent steps"),
-    _StateVariable(
-        "max_divergent_run", tf.int64,
-        "the longest divergent run since the last reset_divergence_latches()",
-    ),
-    _StateVariable(
-        "lowest_scale", tf.float32,
-        "the lowest scale a step reached since the last reset_lowest_scale()",
-    ),
-    _StateVariable(
-        "calibration_steps", tf.int64,
-        "overflowing steps before the first applied one, with a finite loss: a "
-        "dynamic scale calibrating down from initial_scale",
-    ),
-)
-_COUNTERS = tuple(v.name for v in STATE_VARIABLES if v.dtype == tf.int64)
-# Names used by earlier releases in saved weights.
-_LEGACY_NAMES = {
-    "skipped_count": "skipped_steps",
-    "nonfinite_loss_count": "nonfinite_loss_steps",
-    "divergent_count": "divergent_steps",
-}
-
-
-def _dense(value: Any) -> Any:
-    return value.values if isinstance(value, tf.IndexedSlices) else value
-
-
-def _half_sum_of_squares(grad: Any) -> tf.Tensor:
-    """sum(grad**2) / 2 in float32, one fused kernel (L2Loss); 0 for None."""
-    if grad is None:
-        return tf.constant(0.0, tf.float32)
-    grad = _dense(grad)
-    if grad.dtype != tf.float32:
-        grad = tf.cast(grad, tf.float32)  # float16 squares overflow at 256
-    return tf.nn.l2_loss(grad)
-
-
-def _valid_counter(value: np.ndarray) -> bool:
-    """Non-negative integers that int64 holds: integer arrays, or floats
-    that are whole numbers below 2**63 (comparing a float with INT64_MAX
-    would round INT64_MAX up to 2**63 and let 2**63 through)."""
-    if np.issubdtype(value.dtype, np.integer):
-        return bool(np.all(value >= 0))
-    if np.issubdtype(value.dtype, np.floating):
-        return bool(np.all(np.isfinite(value)) and np.all(value >= 0)
-                    and np.all(value < 2.0**63) and np.all(np.floor(value) == value))
-    return False
-
-
 _THREAD_STATE = threading.local()
 
 
 def _per_thread(name: str) -> dict[int, Any]:
-    """A dict of this thread's own, for trace-time state keyed by object id."""
+    """A dict of this thread's own, for trace-time state keyed by object id:
+    MirroredStrategy traces each replica's step in a thread of its own."""
     table = getattr(_THREAD_STATE, name, None)
     if table is None:
         table = {}
         setattr(_THREAD_STATE, name, table)
     return table
-
-
-def _applied_norm(checked: "CheckedGradients", grads: list[Any], variables: list[Any]) -> tf.Tensor:
-    """The global norm of the gradients, leaving out float8 state variables,
-    whose "gradients" are their next values."""
-    overwrite = [bool(getattr(v, "overwrite_with_gradient", False)) for v in variables]
-    if not any(overwrite):
-        return checked.global_norm
-    squares = [_half_sum_of_squares(g) for g, skip in zip(grads, overwrite) if not skip]
-    if not squares:
-        return tf.constant(0.0, tf.float32)
-    return tf.sqrt(2.0 * tf.add_n(squares))
 
 
 class _Untracked:
@@ -183,31 +82,6 @@ class _Untracked:
 
     def __init__(self, items: list[Any]) -> None:
         self.items = items
-
-
-class CheckedGradients(NamedTuple):
-    """What one pass over the gradients found (see `check_gradients`)."""
-
-    flags: tf.Tensor  #: int64 [n]: 1 where a gradient holds inf or NaN
-    global_norm: tf.Tensor  #: float32: global L2 norm (meaningful when all flags are 0)
-    #: bool: True when every gradient is finite (all flags 0). Given
-    #: directly so that the skip decision does not wait on the flags.
-    all_finite: tf.Tensor | None = None
-
-
-def _nonfinite_flag(value: Any) -> tf.Tensor:
-    """1 if `value` holds any inf or NaN, else 0 (int64; 0 for None; the
-    largest flag for a list of losses)."""
-    if value is None:
-        return tf.constant(0, tf.int64)
-    if isinstance(value, (list, tuple)):
-        flags = [_nonfinite_flag(v) for v in value]
-        return flags[0] if len(flags) == 1 else tf.reduce_max(tf.stack(flags))
-    if isinstance(value, tf.IndexedSlices):
-        value = value.values
-    return tf.cast(
-        tf.logical_not(tf.reduce_all(tf.math.is_finite(value))), tf.int64
-    )
 
 
 @keras.saving.register_keras_serializable(package="mp_callbacks")
@@ -271,66 +145,34 @@ class DynamicLossScale(tf.Module):
         hysteresis: int = 1,
         name: str = "dynamic_loss_scale",
     ) -> None:
-        initial_scale, min_scale, max_scale = (
-            check_scale(_OWNER, argument, value)
-            for argument, value in (
-                ("initial_scale", initial_scale),
-                ("min_scale", min_scale),
-                ("max_scale", max_scale),
-            )
-        )
-        # int64 counters: good_steps + 1 must not overflow.
-        growth_interval = check_int(_OWNER, "growth_interval", growth_interval, low=1)
-        hysteresis = check_int(_OWNER, "hysteresis", hysteresis, low=1)
-        growth_factor = check_real(
-            _OWNER, "growth_factor", growth_factor, low=1.0, low_inclusive=False, float32=True
-        )
-        backoff_factor = check_real(
-            _OWNER, "backoff_factor", backoff_factor, low=0.0, high=1.0,
-            low_inclusive=False, high_inclusive=False, float32=True,
-            requirement="a number in the open interval (0, 1)",
-        )
-        if min_scale > max_scale:
-            raise ValueError(
-                f"{_OWNER}: `min_scale` must be <= max_scale ({max_scale!r}); "
-                f"received min_scale={min_scale!r}."
-            )
-        if not min_scale <= initial_scale <= max_scale:
-            raise ValueError(
-                f"{_OWNER}: `initial_scale` must be within [min_scale, max_scale] = "
-                f"[{min_scale!r}, {max_scale!r}]; received initial_scale={initial_scale!r}."
-            )
+        settings = ScaleSettings.checked(initial_scale, growth_interval, growth_factor,
+                                         backoff_factor, min_scale, max_scale, hysteresis)
         super().__init__(name=name)
-        self.initial_scale = initial_scale
-        self.growth_interval = growth_interval
-        self.growth_factor = growth_factor
-        self.backoff_factor = backoff_factor
-        self.min_scale = min_scale
-        self.max_scale = max_scale
-        self.hysteresis = hysteresis
+        self._settings = settings
+        self.initial_scale = settings.initial_scale
+        self.growth_interval = settings.growth_interval
+        self.growth_factor = settings.growth_factor
+        self.backoff_factor = settings.backoff_factor
+        self.min_scale = settings.min_scale
+        self.max_scale = settings.max_scale
+        self.hysteresis = settings.hysteresis
 
-        initial_values = {
-            "scale": initial_scale,
-            "hysteresis_left": hysteresis,
-            "lowest_scale": initial_scale,
-        }
+        initial = _scale_state.initial_values(settings)
         self._state: dict[str, tf.Variable] = {}
         # The state must not be replicated per device: one value, updated
         # identically by every replica after one all-reduced decision.
         with tf.init_scope(), self.name_scope:
             for spec in STATE_VARIABLES:
                 self._state[spec.name] = tf.Variable(
-                    initial_values.get(spec.name, 0),
-                    dtype=spec.dtype,
-                    trainable=False,
-                    aggregation=_ONLY_FIRST,
-                    name=spec.name,
+                    initial[spec.name], dtype=spec.dtype, trainable=False,
+                    aggregation=_ONLY_FIRST, name=spec.name,
                 )
         self._scale = self._state["scale"]
         # Per-variable non-finite counts need the variable list: see build().
-        self._nonfinite_counts = None
+        self._nonfinite_counts: tf.Variable | None = None
         self._variable_paths: list[str] = []
         self._variable_ids: tuple[int, ...] = ()
+        self._built = _Untracked([])
         # Whether the last recorded step scaled its loss (None: none traced yet).
         self._scaling_seen: bool | None = None
         self._warned_optimizers: set[int] = set()
@@ -521,35 +363,9 @@ class DynamicLossScale(tf.Module):
 
     @_no_autograph
     def check_gradients(self, grads: Sequence[Any]) -> CheckedGradients:
-        """One pass over `grads`: which hold inf or NaN, and their global norm.
-
-        Each gradient is read once, by one fused sum-of-squares kernel
-        (`tf.nn.l2_loss`), which gives the norm and, since inf and NaN
-        propagate through it, finiteness. Only when some sum is not finite
-        (an overflow, or squares beyond float32's range) does a second,
-        exact pass run, inside a `tf.cond`, to tell which gradients hold
-        inf or NaN; healthy steps never pay for it.
-        """
-        grads = list(grads)
-        if not grads:
-            return CheckedGradients(
-                tf.zeros([0], tf.int64), tf.constant(0.0, tf.float32), tf.constant(True)
-            )
-        # The sums are non-negative: their total is finite only if each is.
-        total = tf.add_n([_half_sum_of_squares(g) for g in grads])
-
-        def exact_check():
-            flags = tf.stack([_nonfinite_flag(g) for g in grads])
-            return flags, tf.equal(tf.reduce_max(flags), 0)
-
-        # Every update of the step waits on this decision: the healthy
-        # branch hands it over without going through the flags.
-        flags, all_finite = tf.cond(
-            tf.math.is_finite(total),
-            lambda: (tf.zeros([len(grads)], tf.int64), tf.constant(True)),
-            exact_check,
-        )
-        return CheckedGradients(flags, tf.sqrt(2.0 * total), all_finite)
+        """One pass over `grads`: which hold inf or NaN, and their global
+        norm (see `mp_callbacks._gradient_check.check_gradients`)."""
+        return check_gradients(grads)
 
     @_no_autograph
     def apply_gradients(
@@ -635,17 +451,14 @@ class DynamicLossScale(tf.Module):
             loss = list(record.losses)
         if update is None:
             update = record is None
-        if self.built and not set(map(id, variables)) <= set(self._variable_ids):
-            known = {id(v) for v in self._built.items}
-            self.build(self._built.items + [v for v in variables if id(v) not in known])
-        else:
-            self.build(variables)
+        known = {id(v) for v in self._built.items}
+        self.build(self._built.items + [v for v in variables if id(v) not in known])
         if not optimizer.built:
             optimizer.build(variables)
 
         if checked is None:
-            checked = self.check_gradients(grads)
-        loss_flag = _nonfinite_flag(loss)
+            checked = check_gradients(grads)
+        loss_flag = nonfinite_flag(loss)
         flags = tf.concat([checked.flags, [loss_flag]], axis=0)
         replica_context = tf.distribute.get_replica_context()
         if replica_context is None:
@@ -653,77 +466,25 @@ class DynamicLossScale(tf.Module):
                 "DynamicLossScale.apply_gradients must run in a replica "
                 "context: call it inside `strategy.run(...)`."
             )
-        if replica_context.num_replicas_in_sync > 1:
+        replicas = replica_context.num_replicas_in_sync
+        if replicas > 1:
             # One global decision: every replica sees every replica's flags.
-            flags = replica_context.all_reduce(
-                tf.distribute.ReduceOp.SUM, flags
-            )
-        local_decision = None
-        if replica_context.num_replicas_in_sync == 1 and checked.all_finite is not None:
-            grads_finite = local_decision = checked.all_finite
-        else:
-            grads_finite = tf.equal(tf.reduce_sum(flags[:-1]), 0)
+            flags = replica_context.all_reduce(tf.distribute.ReduceOp.SUM, flags)
+        applied = decision(checked, flags, replicas)
         if record is not None:
-            record.note_apply(grads_finite, _applied_norm(checked, grads, variables))
-
-        restore_on_skip = list(restore_on_skip)
-        restore_variables = [variable for variable, _ in restore_on_skip]
-        restore_values = [value for _, value in restore_on_skip]
-        if (
-            not tf.distribute.has_strategy()
-            or tf.__internal__.distribute.strategy_supports_no_merge_call()
-        ):
-            # Without a strategy the update is gated write by write, which
-            # healthy steps do not pay for; otherwise (or for an optimizer
-            # whose writes cannot be gated) the whole update sits in a cond.
-            gated = not tf.distribute.has_strategy() and gated_apply(
-                optimizer,
-                lambda: self._apply(optimizer, grads, variables),
-                grads_finite,
-                # Computed from the loss, so whatever waits for it comes
-                # after every read of the forward pass.
-                forward_done=None if loss is None else tf.equal(loss_flag, 0),
-                restore_on_skip=restore_on_skip,
-            )
-            if not gated:
-                tf.cond(
-                    grads_finite,
-                    lambda: self._apply(optimizer, grads, variables),
-                    lambda: self._restore(restore_variables, restore_values),
-                )
-            if update:
-                self._update_state(self._full_flags(variables, flags), grads_finite)
-            else:
-                self._pending.append((variables, flags, local_decision))
+            record.note_apply(applied, applied_norm(checked, grads, variables))
+        apply_or_skip(
+            optimizer, grads, variables, applied, restore_on_skip=restore_on_skip,
+            # Computed from the loss, so whatever waits for it comes after
+            # every read of the forward pass.
+            forward_done=None if loss is None else tf.equal(loss_flag, 0),
+        )
+        entry = (variables, flags, applied if replicas == 1 else None)
+        if update:
+            self._advance([entry])
         else:
-            # A cond whose branch calls optimizer.apply (which merge_calls)
-            # cannot run in a replica context: decide in cross-replica context,
-            # as Keras's own LossScaleOptimizer._tf_apply does.
-            def decide(distribution, grads, flags, restore_values):
-                flags = distribution.experimental_local_results(flags)[0]
-
-                def apply_on_every_replica():
-                    distribution.extended.call_for_each_replica(
-                        self._apply, args=(optimizer, grads, variables)
-                    )
-
-                def restore_on_every_replica():
-                    distribution.extended.call_for_each_replica(
-                        self._restore, args=(restore_variables, restore_values)
-                    )
-
-                tf.cond(
-                    tf.equal(tf.reduce_sum(flags[:-1]), 0),
-                    apply_on_every_replica,
-                    restore_on_every_replica,
-                )
-                if update:
-                    self._update_state(self._full_flags(variables, flags))
-
-            replica_context.merge_call(decide, args=(grads, flags, restore_values))
-            if not update:
-                self._pending.append((variables, flags, None))
-        return grads_finite
+            self._pending.append(entry)
+        return applied
 
     @_no_autograph
     def step(
@@ -802,6 +563,9 @@ class DynamicLossScale(tf.Module):
         any loss was non-finite. Call it in the same `tf.function` as those
         calls, once per training step (a `MixedPrecisionModel` calls it at
         the end of its training steps).
+
+        Raises:
+            RuntimeError: no `apply_gradients(..., update=False)` is pending.
         """
         if not self._pending:
             raise RuntimeError(
@@ -811,37 +575,38 @@ class DynamicLossScale(tf.Module):
             )
         pending = self._pending
         _per_thread("pending")[id(self)] = []
-        if len(pending) == 1 and pending[0][2] is not None:
-            # One apply without a strategy: its decision is the step's.
-            variables, flags, decision = pending[0]
-            self._update_state(self._full_flags(variables, flags), decision)
+        self._advance(pending)
+
+    def _advance(self, entries: list[tuple[list[Any], tf.Tensor, tf.Tensor | None]]) -> None:
+        """One transition for a step made of `entries` (variables, flags,
+        and the decision when it took no all-reduce)."""
+        if len(entries) == 1:
+            variables, flags, applied = entries[0]
+            flags = self._full_flags(variables, flags)
+        else:
+            flags, applied = self._combined_flags(entries), None
+        replica_context = tf.distribute.get_replica_context()
+        if (replica_context is None or not tf.distribute.has_strategy()
+                or strategy_supports_no_merge_call()):
+            self._update_state(flags, applied)
             return
+        replica_context.merge_call(
+            lambda distribution, flags: self._update_state(
+                distribution.experimental_local_results(flags)[0]),
+            args=(flags,),
+        )
+
+    def _combined_flags(self, entries: list[tuple[list[Any], tf.Tensor, Any]]) -> tf.Tensor:
+        """One flag per built variable (the worst over the entries), then
+        the worst loss flag."""
         position = {id(v): i for i, v in enumerate(self._built.items)}
         per_variable = [tf.constant(0, tf.int64)] * len(position)
-        loss_flags = []
-        for variables, flags, _ in pending:
+        for variables, flags, _ in entries:
             for i, variable in enumerate(variables):
-                per_variable[position[id(variable)]] = tf.maximum(
-                    per_variable[position[id(variable)]], flags[i]
-                )
-            loss_flags.append(flags[-1])
-        combined = tf.stack(per_variable + [tf.reduce_max(tf.stack(loss_flags))])
-        replica_context = tf.distribute.get_replica_context()
-        if (
-            replica_context is None
-            or not tf.distribute.has_strategy()
-            or tf.__internal__.distribute.strategy_supports_no_merge_call()
-        ):
-            self._update_state(combined)
-        else:
-            replica_context.merge_call(
-                lambda distribution, flags: self._update_state(
-                    distribution.experimental_local_results(flags)[0]
-                ),
-                args=(combined,),
-            )
+                per_variable[position[id(variable)]] = tf.maximum(per_variable[position[id(variable)]], flags[i])
+        loss_flags = [flags[-1] for _, flags, _ in entries]
+        return tf.stack(per_variable + [tf.reduce_max(tf.stack(loss_flags))])
 
-    @_no_autograph
     def _full_flags(self, variables: list[Any], flags: tf.Tensor) -> tf.Tensor:
         """`flags` (one per variable, then the loss) laid out over every
         built variable, when the step covered only some of them."""
@@ -856,127 +621,24 @@ class DynamicLossScale(tf.Module):
             + [flags[-1]]
         )
 
-    @staticmethod
-    def _apply(optimizer, grads, variables):
-        # apply_gradients rather than apply: an optimizer subclass that
-        # overrides apply_gradients is honoured (Keras's calls apply).
-        optimizer.apply_gradients(list(zip(grads, variables)))
-
-    @staticmethod
-    def _restore(variables, values):
-        for variable, value in zip(variables, values):
-            variable.assign(value)
+    @_no_autograph
+    def _update_state(self, flags: tf.Tensor, applied: tf.Tensor | None = None) -> None:
+        """One transition of the state machine (`_scale_state.transition`);
+        `flags` are all-reduced, and `applied` is the step's decision (taken
+        from the flags when not given)."""
+        if applied is None:
+            applied = decision(None, flags)
+        before = {name: variable.read_value() for name, variable in self._state.items()}
+        after = _scale_state.transition(self._settings, before, flags, applied)
+        for name, variable in self._state.items():
+            variable.assign(after[name])
+        assert self._nonfinite_counts is not None  # built by apply_gradients
+        self._nonfinite_counts.assign_add(after["nonfinite_counts"])
 
     @_no_autograph
     def _restore_if_skipped(self, applied: tf.Tensor, pairs: Sequence[tuple[Any, Any]]) -> None:
         """Assigns each `(variable, value)` back when `applied` is False."""
-        variables = [variable for variable, _ in pairs]
-        values = [value for _, value in pairs]
-        replica_context = tf.distribute.get_replica_context()
-        if (
-            replica_context is None
-            or not tf.distribute.has_strategy()
-            or tf.__internal__.distribute.strategy_supports_no_merge_call()
-        ):
-            tf.cond(applied, lambda: None, lambda: self._restore(variables, values))
-            return
-
-        # As in apply_gradients: a cond that writes replicated state is
-        # taken in cross-replica context.
-        def restore(distribution, applied, values):
-            applied = distribution.experimental_local_results(applied)[0]
-
-            def on_every_replica():
-                distribution.extended.call_for_each_replica(self._restore, args=(variables, values))
-
-            tf.cond(applied, lambda: None, on_every_replica)
-
-        replica_context.merge_call(restore, args=(applied, values))
-
-    @_no_autograph
-    def _update_state(self, flags: tf.Tensor, grads_finite: tf.Tensor | None = None) -> None:
-        """Advances the state machine; `flags` are already all-reduced.
-        `grads_finite`, when given, is the decision the step took (all of
-        `flags[:-1]` zero), passed in so as not to be derived again.
-
-        Each variable's next value is worked out for both outcomes from the
-        state and the loss alone, and the decision only picks one (a
-        `tf.where` per write), so that little waits on the decision, which
-        comes late in the step (after the last gradient's check). Measured
-        on a two-thread Transformer, this is no cheaper than deriving the
-        values after the decision, and no dearer.
-        """
-        state = self._state
-        per_variable = tf.minimum(flags[:-1], 1)
-        if grads_finite is None:
-            grads_finite = tf.equal(tf.reduce_sum(per_variable), 0)
-        loss_diverged = tf.not_equal(flags[-1], 0)
-        scale = state["scale"].read_value()
-        # A scale that is not a positive finite number (written into the
-        # variable by hand) could never recover: start again from initial.
-        scale = tf.where(
-            tf.logical_and(tf.math.is_finite(scale), scale > 0.0),
-            scale,
-            tf.constant(self.initial_scale, tf.float32),
-        )
-        zero = tf.constant(0, tf.int64)
-
-        # Finite gradients: one more good step; after growth_interval of
-        # them the scale grows and the hysteresis is restored.
-        good = state["good_steps"] + 1
-        grow = good >= self.growth_interval
-        hysteresis_left = state["hysteresis_left"].read_value()
-        if_finite = {
-            "scale": tf.where(grow, tf.minimum(scale * self.growth_factor, self.max_scale), scale),
-            "good_steps": tf.where(grow, zero, good),
-            "hysteresis_left": tf.where(
-                grow, tf.constant(self.hysteresis, tf.int64), hysteresis_left
-            ),
-            "skipped": zero,
-            "divergent": loss_diverged,
-        }
-        # An overflow: the streak ends, the hysteresis is spent, and once it
-        # is gone the scale backs off. At the floor, an overflow is divergence.
-        spent = tf.maximum(hysteresis_left - 1, 0)
-        if_overflow = {
-            "scale": tf.where(
-                spent <= 0, tf.maximum(scale * self.backoff_factor, self.min_scale), scale
-            ),
-            "good_steps": zero,
-            "hysteresis_left": spent,
-            "skipped": tf.constant(1, tf.int64),
-            "divergent": tf.logical_or(loss_diverged, scale <= self.min_scale),
-        }
-        # Overflows before any step was applied, with a finite loss and room
-        # to back off: a dynamic scale finding its level from initial_scale,
-        # which every dynamic scaler does at first (not bad data).
-        if self.is_dynamic:
-            if_overflow["calibration"] = tf.cast(tf.logical_and(
-                tf.equal(state["step_count"], state["skipped_steps"]),
-                tf.logical_and(tf.logical_not(loss_diverged), scale > self.min_scale),
-            ), tf.int64)
-        lowest = state["lowest_scale"].read_value()
-        run = state["divergent_run"].read_value()
-        max_run = state["max_divergent_run"].read_value()
-        for outcome in (if_finite, if_overflow):
-            outcome["lowest_scale"] = tf.minimum(lowest, outcome["scale"])
-            outcome["divergent_run"] = tf.where(outcome["divergent"], run + 1, 0)
-            outcome["max_divergent_run"] = tf.maximum(max_run, outcome["divergent_run"])
-            outcome["divergent"] = tf.cast(outcome["divergent"], tf.int64)
-
-        def taken(name: str) -> tf.Tensor:
-            return tf.where(grads_finite, if_finite[name], if_overflow[name])
-
-        for name in ("scale", "lowest_scale", "good_steps", "hysteresis_left",
-                     "divergent_run", "max_divergent_run"):
-            state[name].assign(taken(name))
-        state["step_count"].assign_add(1)
-        state["skipped_steps"].assign_add(taken("skipped"))
-        state["nonfinite_loss_steps"].assign_add(tf.cast(loss_diverged, tf.int64))
-        state["divergent_steps"].assign_add(taken("divergent"))
-        if self.is_dynamic:
-            state["calibration_steps"].assign_add(tf.where(grads_finite, zero, if_overflow["calibration"]))
-        self._nonfinite_counts.assign_add(per_variable)
+        restore_if_skipped(applied, pairs)
 
     # ------------------------------------------------------ host-side reads
     def get_scale(self) -> float:
@@ -1004,7 +666,7 @@ class DynamicLossScale(tf.Module):
             [tf.cast(self._state[name], tf.float64) for name in names]
         ).numpy()
         state: dict[str, float | int | None] = {
-            name: int(value) if name in _COUNTERS else float(value)
+            name: int(value) if name in _scale_state.COUNTERS else float(value)
             for name, value in zip(names, values)
         }
         if state["lowest_scale"] == FLOAT32_MAX:
@@ -1056,36 +718,15 @@ class DynamicLossScale(tf.Module):
 
         Restores state, not hyperparameters. Unknown keys, and per-variable
         counts of another shape, are ignored (a state saved before `build`
-        still restores the scale). A scale that is not a finite number > 0,
-        or a negative counter, is refused with a ValueError and nothing is
-        changed: a loss scale restored as NaN, inf, 0 or negative could never
-        recover.
+        still restores the scale).
+
+        Raises:
+            ValueError: a scale that is not a finite number > 0, or a
+                counter that is not a non-negative integer; nothing is
+                changed (a scale restored as NaN, inf, 0 or negative could
+                never recover).
         """
-        state = {_LEGACY_NAMES.get(k, k): v for k, v in state.items()}
-        updates = []
-        for key, variable in self._state_variables().items():
-            if key not in state:
-                continue
-            value = np.asarray(state[key])
-            if value.shape != tuple(variable.shape):
-                continue
-            if key in ("scale", "lowest_scale"):
-                number = float(value)
-                if not (math.isfinite(number) and 0 < number <= FLOAT32_MAX):
-                    raise ValueError(
-                        f"{_OWNER}: cannot restore the loss scale: the saved `{key}` "
-                        f"is {number!r}, and a loss scale must be a finite number "
-                        "> 0. The checkpoint or weights file holds a corrupted "
-                        "loss scale; restore an earlier one, or call "
-                        "set_state without this key to keep the current scale."
-                    )
-            elif not _valid_counter(value):
-                raise ValueError(
-                    f"{_OWNER}: cannot restore the loss scale's counter `{key}`: it "
-                    f"must be a non-negative integer; received {key}={value!r}."
-                )
-            updates.append((variable, tf.convert_to_tensor(value, variable.dtype)))
-        for variable, value in updates:
+        for variable, value in _scale_state.validated_updates(self._state_variables(), state):
             variable.assign(value)
 
 

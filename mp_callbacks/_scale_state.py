@@ -1,0 +1,256 @@
+"""The loss scale's state machine: its settings, its variables, one
+transition per training step, and checked save/restore.
+
+Contract of `transition`: given the state before a step, the step's
+non-finite flags (one per variable, then the loss) and the decision
+(True: every gradient was finite, the update was applied), it returns the
+state after the step, as PyTorch's `GradScaler.update` and Megatron-LM's
+`DynamicGradScaler` define it:
+
+* finite step: `good_steps += 1`; when it reaches `growth_interval`, the
+  scale is multiplied by `growth_factor` (capped at `max_scale`),
+  `good_steps` is reset to 0 and the hysteresis budget refilled;
+* non-finite step: `good_steps` is reset to 0 and one unit of hysteresis is
+  spent; once it is spent the scale is multiplied by `backoff_factor`
+  (floored at `min_scale`), and every further overflow backs off until the
+  next growth.
+
+A scale that is not a positive finite number (written into the variable by
+hand) restarts from `initial_scale`. The counters (steps, skips, divergence,
+calibration) are updated in the same transition.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from mp_callbacks._backend import tf
+from mp_callbacks._validation import FLOAT32_MAX, check_int, check_real
+
+__all__ = [
+    "MIN_LOSS_SCALE", "MAX_FIXED_LOSS_SCALE", "STATE_VARIABLES", "ScaleSettings",
+    "check_fixed_scale", "check_scale", "transition", "validated_updates",
+]
+
+_OWNER = "DynamicLossScale"
+
+#: The smallest loss scale accepted anywhere (fixed, initial, min or max):
+#: 2**-24, float16's smallest positive value. Far below it, a loss of order
+#: one times the scale leaves float32 gradients that CPUs flush to zero.
+MIN_LOSS_SCALE = 2.0**-24
+#: The largest fixed scale given as a plain number: a fixed scale cannot
+#: back off, so one that overflows does so on every step. A
+#: `DynamicLossScale` takes any float32 scale.
+MAX_FIXED_LOSS_SCALE = 2.0**64
+SCALE_REQUIREMENT = "a finite number >= 2**-24 (5.96e-08)"
+FIXED_SCALE_REQUIREMENT = "a number from 2**-24 (5.96e-08) to 2**64 (1.84e+19) when it is a fixed scale"
+
+
+def check_scale(owner: str, argument: str, value: Any) -> float:
+    """A loss scale (initial, min or max) as a float; raises naming
+    `argument` below MIN_LOSS_SCALE or beyond float32."""
+    return check_real(owner, argument, value, low=MIN_LOSS_SCALE, float32=True,
+                      requirement=SCALE_REQUIREMENT)
+
+
+def check_fixed_scale(owner: str, argument: str, value: Any) -> float:
+    """A fixed loss scale given as a plain number, as a float; raises
+    naming `argument` outside [MIN_LOSS_SCALE, MAX_FIXED_LOSS_SCALE]."""
+    return check_real(owner, argument, value, low=MIN_LOSS_SCALE, high=MAX_FIXED_LOSS_SCALE,
+                      requirement=FIXED_SCALE_REQUIREMENT)
+
+
+@dataclass(frozen=True)
+class ScaleSettings:
+    """The state machine's settings, checked (see `DynamicLossScale`)."""
+
+    initial_scale: float
+    growth_interval: int
+    growth_factor: float
+    backoff_factor: float
+    min_scale: float
+    max_scale: float
+    hysteresis: int
+
+    @classmethod
+    def checked(cls, initial_scale: Any, growth_interval: Any, growth_factor: Any,
+                backoff_factor: Any, min_scale: Any, max_scale: Any, hysteresis: Any) -> "ScaleSettings":
+        """Each setting in the dtype it is stored in (float32 scales, int64
+        counters), so that no accepted value becomes inf or 0 later;
+        raises naming the argument and the value."""
+        initial_scale = check_scale(_OWNER, "initial_scale", initial_scale)
+        min_scale = check_scale(_OWNER, "min_scale", min_scale)
+        max_scale = check_scale(_OWNER, "max_scale", max_scale)
+        growth_interval = check_int(_OWNER, "growth_interval", growth_interval, low=1)
+        hysteresis = check_int(_OWNER, "hysteresis", hysteresis, low=1)
+        growth_factor = check_real(
+            _OWNER, "growth_factor", growth_factor, low=1.0, low_inclusive=False, float32=True)
+        backoff_factor = check_real(
+            _OWNER, "backoff_factor", backoff_factor, low=0.0, high=1.0,
+            low_inclusive=False, high_inclusive=False, float32=True,
+            requirement="a number in the open interval (0, 1)",
+        )
+        if min_scale > max_scale:
+            raise ValueError(
+                f"{_OWNER}: `min_scale` must be <= max_scale ({max_scale!r}); "
+                f"received min_scale={min_scale!r}."
+            )
+        if not min_scale <= initial_scale <= max_scale:
+            raise ValueError(
+                f"{_OWNER}: `initial_scale` must be within [min_scale, max_scale] = "
+                f"[{min_scale!r}, {max_scale!r}]; received initial_scale={initial_scale!r}."
+            )
+        return cls(initial_scale, growth_interval, growth_factor, backoff_factor, min_scale,
+                   max_scale, hysteresis)
+
+    @property
+    def is_dynamic(self) -> bool:
+        return self.min_scale < self.max_scale
+
+
+class StateVariable(NamedTuple):
+    name: str
+    dtype: Any
+    doc: str
+
+
+#: The one table of the state machine's variables. Their names are the keys
+#: of `diagnostics()`, `get_state()`/`set_state()` and of the saved weights.
+STATE_VARIABLES = (
+    StateVariable("scale", tf.float32, "the current loss scale"),
+    StateVariable("good_steps", tf.int64, "finite steps since the last growth or overflow"),
+    StateVariable("hysteresis_left", tf.int64, "overflows left before the next backoff"),
+    StateVariable("step_count", tf.int64, "steps seen (applied or skipped)"),
+    StateVariable("skipped_steps", tf.int64, "steps skipped for non-finite gradients"),
+    StateVariable("nonfinite_loss_steps", tf.int64, "steps whose loss was non-finite"),
+    StateVariable(
+        "divergent_steps", tf.int64,
+        "divergent steps: a non-finite loss, or a skipped step with the scale at min_scale",
+    ),
+    StateVariable("divergent_run", tf.int64, "the current run of consecutive divergent steps"),
+    StateVariable(
+        "max_divergent_run", tf.int64,
+        "the longest divergent run since the last reset_divergence_latches()",
+    ),
+    StateVariable(
+        "lowest_scale", tf.float32,
+        "the lowest scale a step reached since the last reset_lowest_scale()",
+    ),
+    StateVariable(
+        "calibration_steps", tf.int64,
+        "overflowing steps before the first applied one, with a finite loss: a "
+        "dynamic scale calibrating down from initial_scale",
+    ),
+)
+COUNTERS = tuple(v.name for v in STATE_VARIABLES if v.dtype == tf.int64)
+# Names used by earlier releases in saved weights.
+LEGACY_NAMES = {
+    "skipped_count": "skipped_steps",
+    "nonfinite_loss_count": "nonfinite_loss_steps",
+    "divergent_count": "divergent_steps",
+}
+
+
+def initial_values(settings: ScaleSettings) -> dict[str, Any]:
+    values: dict[str, Any] = {spec.name: 0 for spec in STATE_VARIABLES}
+    values.update(scale=settings.initial_scale, hysteresis_left=settings.hysteresis,
+                  lowest_scale=settings.initial_scale)
+    return values
+
+
+def transition(settings: ScaleSettings, state: dict[str, tf.Tensor], flags: tf.Tensor,
+               applied: tf.Tensor) -> dict[str, tf.Tensor]:
+    """The state after one step (see the module's docstring): `state` holds
+    the variables' values before it, `flags` the step's non-finite flags
+    (per variable, then the loss; all-reduced), `applied` the decision.
+    Returns the new value of every variable (the per-variable counters
+    under "nonfinite_counts": their increments)."""
+    zero = tf.constant(0, tf.int64)
+    one = tf.constant(1, tf.int64)
+    loss_diverged = tf.not_equal(flags[-1], 0)
+    scale = state["scale"]
+    scale = tf.where(tf.logical_and(tf.math.is_finite(scale), scale > 0.0), scale,
+                     tf.constant(settings.initial_scale, tf.float32))
+
+    good = state["good_steps"] + 1
+    grow = tf.logical_and(applied, good >= settings.growth_interval)
+    spent = tf.maximum(state["hysteresis_left"] - 1, 0)
+    back_off = tf.logical_and(tf.logical_not(applied), spent <= 0)
+    new_scale = tf.where(grow, tf.minimum(scale * settings.growth_factor, settings.max_scale),
+                         tf.where(back_off, tf.maximum(scale * settings.backoff_factor, settings.min_scale),
+                                  scale))
+    divergent = tf.logical_or(loss_diverged,
+                              tf.logical_and(tf.logical_not(applied), scale <= settings.min_scale))
+    run = tf.where(divergent, state["divergent_run"] + 1, zero)
+    new = {
+        "scale": new_scale,
+        "good_steps": tf.where(applied, tf.where(grow, zero, good), zero),
+        "hysteresis_left": tf.where(applied, tf.where(grow, tf.constant(settings.hysteresis, tf.int64),
+                                                      state["hysteresis_left"]), spent),
+        "step_count": state["step_count"] + one,
+        "skipped_steps": state["skipped_steps"] + tf.where(applied, zero, one),
+        "nonfinite_loss_steps": state["nonfinite_loss_steps"] + tf.cast(loss_diverged, tf.int64),
+        "divergent_steps": state["divergent_steps"] + tf.cast(divergent, tf.int64),
+        "divergent_run": run,
+        "max_divergent_run": tf.maximum(state["max_divergent_run"], run),
+        "lowest_scale": tf.minimum(state["lowest_scale"], new_scale),
+        "calibration_steps": state["calibration_steps"],
+        "nonfinite_counts": tf.minimum(flags[:-1], 1),
+    }
+    if settings.is_dynamic:
+        # Overflows before any step was applied, with a finite loss and room
+        # to back off: the scale finding its level, not bad data.
+        calibrating = tf.logical_and(
+            tf.logical_and(tf.logical_not(applied), tf.equal(state["step_count"], state["skipped_steps"])),
+            tf.logical_and(tf.logical_not(loss_diverged), scale > settings.min_scale),
+        )
+        new["calibration_steps"] = state["calibration_steps"] + tf.cast(calibrating, tf.int64)
+    return new
+
+
+def _valid_counter(value: np.ndarray) -> bool:
+    """Non-negative integers that int64 holds: integer arrays, or floats
+    that are whole numbers below 2**63 (comparing a float with INT64_MAX
+    would round INT64_MAX up to 2**63 and let 2**63 through)."""
+    if np.issubdtype(value.dtype, np.integer):
+        return bool(np.all(value >= 0))
+    if np.issubdtype(value.dtype, np.floating):
+        return bool(np.all(np.isfinite(value)) and np.all(value >= 0)
+                    and np.all(value < 2.0**63) and np.all(np.floor(value) == value))
+    return False
+
+
+def validated_updates(variables: dict[str, tf.Variable], state: dict[str, Any]) -> list[tuple[Any, Any]]:
+    """(variable, value) pairs that restore `state` (earlier releases' key
+    names too), all checked before any is assigned: keys that are unknown
+    or of another shape are ignored; a scale that is not a finite number
+    > 0, or a counter that is not a non-negative integer, raises."""
+    state = {LEGACY_NAMES.get(k, k): v for k, v in state.items()}
+    updates = []
+    for key, variable in variables.items():
+        if key not in state:
+            continue
+        value = np.asarray(state[key])
+        if value.shape != tuple(variable.shape):
+            continue
+        if key in ("scale", "lowest_scale"):
+            number = float(value)
+            if not (math.isfinite(number) and 0 < number <= FLOAT32_MAX):
+                raise ValueError(
+                    f"{_OWNER}: cannot restore the loss scale: the saved `{key}` "
+                    f"is {number!r}, and a loss scale must be a finite number "
+                    "> 0. The checkpoint or weights file holds a corrupted "
+                    "loss scale; restore an earlier one, or call "
+                    "set_state without this key to keep the current scale."
+                )
+        elif not _valid_counter(value):
+            raise ValueError(
+                f"{_OWNER}: cannot restore the loss scale's counter `{key}`: it "
+                f"must be a non-negative integer; received {key}={value!r}."
+            )
+        updates.append((variable, tf.convert_to_tensor(value, variable.dtype)))
+    return updates

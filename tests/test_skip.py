@@ -1,0 +1,107 @@
+"""The skip mechanism: every form against the reference, the tf.cond, bit
+for bit, on applied and on skipped steps."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from mp_callbacks._skip import apply_or_skip
+
+OPTIMIZERS = {
+    "SGD-momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    "Adam": keras.optimizers.Adam,
+    "AdamW": keras.optimizers.AdamW,
+    "RMSprop": lambda: keras.optimizers.RMSprop(centered=True),
+}
+
+
+def _model(sparse: bool) -> keras.Model:
+    keras.utils.set_random_seed(5)
+    if sparse:
+        inputs = keras.Input((3,), dtype="int32")
+        hidden = keras.layers.Flatten()(keras.layers.Embedding(10, 4)(inputs))
+    else:
+        inputs = keras.Input((4,))
+        hidden = keras.layers.Dense(3)(inputs)
+    return keras.Model(inputs, keras.layers.Dense(2)(hidden))
+
+
+def _step(make_optimizer, sparse: bool, mechanism: str, applied: bool):
+    """Two traced steps (the second with `applied`); the model's, the
+    optimizer's and a restored variable's state as bytes."""
+    model, optimizer = _model(sparse), make_optimizer()
+    extra = tf.Variable([1.0, 2.0])  # state a forward pass changed
+    rng = np.random.default_rng(1)
+    x = (rng.integers(0, 10, (5, 3)).astype("int32") if sparse
+         else rng.normal(size=(5, 4)).astype("float32"))
+    y = rng.normal(size=(5, 2)).astype("float32")
+    used = []
+
+    @tf.function
+    def step(decision):
+        before = tf.identity(extra)
+        extra.assign_add([0.5, 0.5])
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        grads = tape.gradient(loss, model.trainable_variables)
+        used.append(apply_or_skip(optimizer, grads, model.trainable_variables, decision,
+                                  restore_on_skip=[(extra, before)], mechanism=mechanism))
+
+    optimizer.build(model.trainable_variables)
+    step(tf.constant(True))
+    step(tf.constant(applied))
+    state = [v.numpy().tobytes() for v in model.trainable_variables + optimizer.variables + [extra]]
+    return state, used[-1]
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+@pytest.mark.parametrize("applied", [True, False], ids=["applied", "skipped"])
+def test_the_gated_form_is_the_cond_bit_for_bit(name, sparse, applied):
+    reference, used = _step(OPTIMIZERS[name], sparse, "cond", applied)
+    assert used == "cond"
+    gated, used = _step(OPTIMIZERS[name], sparse, "gated", applied)
+    assert used in ("gated", "cond")  # an update that cannot be gated keeps the cond
+    assert gated == reference
+
+
+@pytest.mark.parametrize("applied", [True, False], ids=["applied", "skipped"])
+def test_the_cross_replica_form_is_the_conds_update(applied, two_cpu_strategy):
+    # To float rounding: the replicas' gradients are summed in another order.
+    with two_cpu_strategy.scope():
+        model, optimizer = _model(False), keras.optimizers.Adam()
+        optimizer.build(model.trainable_variables)
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(4, 4)).astype("float32")
+    y = rng.normal(size=(4, 2)).astype("float32")
+    used = []
+
+    @tf.function
+    def replica_step(x, y, decision):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y)) / 2.0
+        # Each replica's share of the mean loss: Keras sums the gradients.
+        grads = tape.gradient(loss, model.trainable_variables)
+        used.append(apply_or_skip(optimizer, grads, model.trainable_variables, decision))
+
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+    batch = next(iter(two_cpu_strategy.experimental_distribute_dataset(dataset)))
+    two_cpu_strategy.run(replica_step, args=(*batch, tf.constant(applied)))
+    state = [v.numpy().tobytes() for v in model.trainable_variables + optimizer.variables]
+    assert used[-1] == "cross_replica"
+
+    # The reference: the same step under no strategy, inside a tf.cond.
+    reference_model, reference_optimizer = _model(False), keras.optimizers.Adam()
+    reference_optimizer.build(reference_model.trainable_variables)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(reference_model(x) - y))
+    grads = tape.gradient(loss, reference_model.trainable_variables)
+    apply_or_skip(reference_optimizer, grads, reference_model.trainable_variables,
+                  tf.constant(applied), mechanism="cond")
+    expected = [v.numpy() for v in reference_model.trainable_variables + reference_optimizer.variables]
+    for ours, theirs in zip(state, expected):
+        np.testing.assert_allclose(np.frombuffer(ours, theirs.dtype).reshape(theirs.shape), theirs,
+                                   rtol=1e-6, atol=1e-7)
