@@ -92,6 +92,12 @@ def choose_policies(
     return policies, skipped
 
 
+def _check_count(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        kind = "a positive integer" if low == 1 else "a non-negative integer"
+        raise BenchError(f"run_bench: `{name}` must be {kind}; received {name}={value!r}")
+
+
 def _as_model_spec(model: str | Callable[[], Any]) -> str:
     if isinstance(model, str):
         return model
@@ -122,7 +128,8 @@ def _check_inputs(settings: BenchSettings) -> str:
             f"samples of shape {data.input_shape}: use --model mlp"
         )
     if spec.kind != "built-in":
-        from mp_callbacks._backend import keras
+        import mp_callbacks  # noqa: F401  (checks Keras's backend before Keras loads)
+        import keras
 
         previous = keras.mixed_precision.global_policy()
         keras.mixed_precision.set_global_policy("float32")
@@ -191,18 +198,16 @@ def run_bench(
     Raises:
         BenchError, DatasetError: bad input, or a run that failed.
     """
-    from mp_callbacks.hardware import inspect_hardware
+    from mp_callbacks import inspect_hardware
     from mp_callbacks_bench.report import verdict
     from mp_callbacks_bench.runner import compare
     from mp_callbacks_bench.user_model import parse_model_spec
 
-    from mp_callbacks._validation import check_int
-
     for name, value in (("epochs", epochs), ("batch_size", batch_size), ("repeats", repeats),
                         ("train_samples", train_samples), ("test_samples", test_samples)):
         if value is not None:
-            check_int("run_bench", name, value, low=1)
-    check_int("run_bench", "seed", seed, low=0)
+            _check_count(name, value, low=1)
+    _check_count("seed", seed, low=0)
     preset = QUICK if quick else {}
     spec_text = _as_model_spec(model if model is not None else preset.get("model", "mlp"))
     parse_model_spec(spec_text)

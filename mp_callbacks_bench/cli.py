@@ -353,7 +353,7 @@ def _write(path: str, text: str, failures: list[str]) -> None:
 
 # ---------------------------------------------------------------- doctor
 def _doctor(args: argparse.Namespace) -> int:
-    from mp_callbacks.hardware import inspect_hardware
+    from mp_callbacks import inspect_hardware
     from mp_callbacks_bench.api import _versions
 
     report = inspect_hardware(measure=not args.no_probe)

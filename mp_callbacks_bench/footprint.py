@@ -37,7 +37,9 @@ def _variable_bytes(variables) -> int:
 def _activation_bytes(model, batch_size: int) -> int | None:
     """Bytes of every layer's output for one batch, or None when the model
     has no symbolic outputs to read (a subclassed model)."""
-    from mp_callbacks._backend import keras
+    import keras
+
+    import mp_callbacks  # noqa: F401  (checks Keras's backend first)
 
     total = 0
     seen = False

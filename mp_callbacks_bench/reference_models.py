@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from mp_callbacks._backend import keras
-from mp_callbacks.model import MixedPrecisionModel
+import mp_callbacks  # noqa: F401  (checks Keras's backend before Keras loads)
+import keras
+from mp_callbacks import MixedPrecisionModel
 
 __all__ = ["build_mlp", "build_cnn", "MODELS"]
 

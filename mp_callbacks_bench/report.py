@@ -96,7 +96,7 @@ def _paired(baseline: dict[str, Any], result: dict[str, Any]) -> Any:
     ours, theirs = result.get("epoch_times_of_runs") or [], baseline.get("epoch_times_of_runs") or []
     if min(len(ours), len(theirs)) < 2:
         return None
-    from mp_callbacks.speed_comparison import SpeedComparison  # (imports TensorFlow: only here)
+    from mp_callbacks import SpeedComparison  # (imports TensorFlow: only here)
 
     return SpeedComparison([b / a for a, b in zip(ours, theirs) if a and b], min_speedup=MIN_SPEEDUP)
 

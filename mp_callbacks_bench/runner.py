@@ -19,7 +19,9 @@ import tempfile
 from dataclasses import asdict
 from typing import Any
 
-from mp_callbacks._backend import keras, tf
+import mp_callbacks  # noqa: F401  (checks Keras's backend before Keras loads)
+import keras
+import tensorflow as tf
 from mp_callbacks_bench._native_stderr import is_startup_noise
 from mp_callbacks_bench.settings import BenchError, BenchSettings
 
@@ -28,8 +30,9 @@ __all__ = ["compare", "run_policy", "run_in_subprocess"]
 logger = logging.getLogger("mp_callbacks_bench")
 
 
-def _peak_memory_mb() -> float:
-    """Peak device memory on GPU, else the process's peak resident memory."""
+def _peak_memory_mb() -> float | None:
+    """Peak device memory on GPU, else the process's peak resident memory
+    (None where the standard library cannot read it: Windows)."""
     if tf.config.list_physical_devices("GPU"):
         info = tf.config.experimental.get_memory_info("GPU:0")
         return info["peak"] / 2**20
@@ -39,10 +42,8 @@ def _peak_memory_mb() -> float:
         # ru_maxrss is in kilobytes on Linux, bytes on macOS.
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak / (2**20 if sys.platform == "darwin" else 2**10)
-    except ImportError:  # pragma: no cover - Windows
-        import psutil
-
-        return psutil.Process().memory_info().peak_wset / 2**20
+    except ImportError:  # Windows
+        return None
 
 
 class _ProgressLine(keras.callbacks.Callback):
@@ -194,7 +195,7 @@ def compare(settings: BenchSettings, in_subprocess: bool = True) -> list[dict[st
 def _separated(runs: dict[str, list[dict[str, Any]]]) -> bool:
     """True when every mixed policy's alternating runs clearly separate from
     float32's (`mp.SpeedComparison.decided`)."""
-    from mp_callbacks.speed_comparison import SpeedComparison
+    from mp_callbacks import SpeedComparison
 
     baseline = [r["epoch_time"] for r in runs.get("float32", [])]
     for policy, policy_runs in runs.items():

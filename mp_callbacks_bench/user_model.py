@@ -110,8 +110,10 @@ def build_model(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int)
     (same layers and weights) so that float16 runs get loss scaling; a
     subclassed one is trained as it is.
     """
-    from mp_callbacks._backend import keras
-    from mp_callbacks.model import MixedPrecisionModel
+    import keras
+
+    import mp_callbacks  # noqa: F401  (checks Keras's backend first)
+    from mp_callbacks import MixedPrecisionModel
     from mp_callbacks_bench.reference_models import MODELS
 
     if spec.kind == "built-in":
@@ -145,7 +147,9 @@ def check_model_fits_data(model, spec: ModelSpec, x, num_classes: int) -> None:
     `x`'s shape and gives one score per class to each (sparse labels)."""
     import numpy as np
 
-    from mp_callbacks._backend import keras
+    import keras
+
+    import mp_callbacks  # noqa: F401  (checks Keras's backend first)
 
     sample_shape = tuple(x.shape[1:])
     try:

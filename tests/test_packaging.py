@@ -29,3 +29,20 @@ def test_wheel_contains_license_and_py_typed(tmp_path):
                for name in names), names
     license_text = (ROOT / "LICENSE").read_text()
     assert "Apache License" in license_text and "Version 2.0" in license_text
+
+
+def test_the_bench_application_uses_the_librarys_public_api_only():
+    private = []
+    for path in sorted((ROOT / "mp_callbacks_bench").glob("*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            stripped = line.strip()
+            if stripped.startswith(("import mp_callbacks.", "from mp_callbacks.")) and (
+                    "mp_callbacks._" in stripped or "mp_callbacks." in stripped.split(" import")[0]):
+                private.append(f"{path.name}:{number}: {stripped}")
+    assert private == [], private
+
+
+def test_the_core_install_names_no_benchmark_only_dependency():
+    setup = (ROOT / "setup.cfg").read_text()
+    core = setup.split("install_requires =", 1)[1].split("\n[", 1)[0]
+    assert "psutil" not in core and "keras" in core
