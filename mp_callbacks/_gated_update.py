@@ -45,6 +45,7 @@ import contextlib
 from typing import Any, Callable, Iterator, Sequence
 
 from mp_callbacks._backend import keras, tf
+from mp_callbacks._keras_internals import replaced_on_instance, tf_optimizer_class, uses_weight_decay
 
 __all__ = ["gated_apply"]
 
@@ -189,29 +190,20 @@ class _GatedWrites:
             return
         with self.record():
             for variable in variables:
-                if optimizer._use_weight_decay(variable):
+                if uses_weight_decay(optimizer, variable):
                     target = _tf_variable(variable)
                     lr = tf.cast(optimizer.learning_rate, target.dtype)
                     wd = tf.cast(optimizer.weight_decay, target.dtype)
                     self._write(variable, lambda old: old - old * wd * lr)
 
 
-@contextlib.contextmanager
-def _routed(optimizer: Any, writes: _GatedWrites) -> Iterator[None]:
-    """Sets the gated writes as instance attributes for the duration."""
-    names = ["assign", "assign_add", "assign_sub"]
-    replacements = {name: getattr(writes, name) for name in names}
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer
-
-    if type(optimizer)._apply_weight_decay is TFOptimizer._apply_weight_decay:
+def _routed(optimizer: Any, writes: _GatedWrites) -> Any:
+    """The optimizer's writes routed through the gated ones for the duration
+    (fenced in `_keras_internals.replaced_on_instance`)."""
+    replacements = {name: getattr(writes, name) for name in ("assign", "assign_add", "assign_sub")}
+    if type(optimizer)._apply_weight_decay is tf_optimizer_class()._apply_weight_decay:
         replacements["_apply_weight_decay"] = writes.apply_weight_decay
-    for name, method in replacements.items():
-        object.__setattr__(optimizer, name, method)
-    try:
-        yield
-    finally:
-        for name in replacements:
-            object.__delattr__(optimizer, name)
+    return replaced_on_instance(optimizer, replacements)
 
 
 # Keras increments the iteration counter with these, outside the routes above.
@@ -248,8 +240,7 @@ def _writes_are_kerass_own(optimizer: Any) -> bool:
     in its class or on the instance (a test's mock), may write something
     else than the value it is given (a gated zero included): only Keras's
     own write methods are known to be neutral."""
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer
-
+    TFOptimizer = tf_optimizer_class()
     names = ("assign", "assign_add", "assign_sub")
     return not any(name in vars(optimizer) for name in names) and all(
         getattr(type(optimizer), name) is getattr(TFOptimizer, name) for name in names

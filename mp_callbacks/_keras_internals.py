@@ -8,7 +8,8 @@ breaks a test here rather than a user's training run.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+import contextlib
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -61,6 +62,60 @@ def strategy_supports_no_merge_call() -> bool:
     from mp_callbacks._backend import tf
 
     return bool(tf.__internal__.distribute.strategy_supports_no_merge_call())
+
+
+def functional_init_arguments(args: tuple, kwargs: dict) -> bool:
+    """Keras's own test of whether a model is built functionally
+    (`Model(inputs, outputs)` and its keyword forms)."""
+    from keras.src.models.model import functional_init_arguments as keras_test
+
+    return bool(keras_test(args, kwargs))
+
+
+def register_serialized_name(cls: type, name: str) -> None:
+    """Makes Keras serialize `cls` under `name` (a class derived at run
+    time, such as a functional variant, under its parent's registered name)."""
+    from keras.src.saving import object_registration
+
+    object_registration.GLOBAL_CUSTOM_NAMES[cls] = name
+
+
+def tf_optimizer_class() -> type:
+    """keras.src.backend.tensorflow.optimizer.TFOptimizer: the class whose
+    writes (`assign`, `assign_add`, `assign_sub`) and weight decay Keras's
+    built-in optimizers use on TensorFlow."""
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    return TFOptimizer
+
+
+def uses_weight_decay(optimizer: Any, variable: Any) -> bool:
+    """Whether Keras applies `optimizer`'s weight decay to `variable`."""
+    return bool(optimizer._use_weight_decay(variable))
+
+
+def seed_generators_of(layer: Any) -> list[Any]:
+    """The `SeedGenerator`s a layer tracks (a layer that draws random numbers)."""
+    return list(getattr(layer, "_seed_generators", None) or [])
+
+
+@contextlib.contextmanager
+def replaced_on_instance(obj: Any, replacements: dict[str, Any]) -> Iterator[None]:
+    """Sets `replacements` as attributes of `obj` itself for the duration,
+    and removes them after, errors included.
+
+    The one place mp_callbacks replaces something on a user's object, and
+    only where there is no other way: to gate every write an optimizer's
+    own update makes without a `tf.cond` (`_gated_update`), and to see each
+    layer's inputs and outputs while a batch is replayed (`diagnosis`).
+    """
+    for name, value in replacements.items():
+        object.__setattr__(obj, name, value)
+    try:
+        yield
+    finally:
+        for name in replacements:
+            object.__delattr__(obj, name)
 
 
 def keras_saveable_class() -> type:
@@ -185,6 +240,16 @@ INTERNALS = (
     Internal("tf.__internal__.distribute.strategy_supports_no_merge_call",
              "_skip.py, loss_scale.py (where the skip and the state update run under a strategy)",
              lambda: isinstance(strategy_supports_no_merge_call(), bool)),
+    Internal("keras.src.models.model.functional_init_arguments",
+             "model.py (a functional call, as keras.Model tells it)",
+             lambda: functional_init_arguments((1, 2), {}) and not functional_init_arguments((), {})),
+    Internal("Optimizer._use_weight_decay(variable)", "_gated_update.py (gated weight decay)",
+             lambda: _has(keras.optimizers.AdamW(), "_use_weight_decay")),
+    Internal("Layer._seed_generators", "layer_selection.py (layers that draw random numbers)",
+             lambda: bool(seed_generators_of(keras.layers.Dropout(0.5)))),
+    Internal("tf.Module _trackable_children / _lookup_dependency (TensorFlow's checkpoint protocol)",
+             "loss_scale_optimizer.py (checkpoints move between plain and wrapped optimizers)",
+             lambda: _has(keras.optimizers.SGD(), "_trackable_children", "_lookup_dependency")),
     Internal("keras.src.models.functional.Functional", "model.py (functional MixedPrecisionModel)",
              lambda: isinstance(functional_class(), type)),
     Internal("keras.Model.__init__ = TensorFlowTrainer.__init__ + Functional.__init__ for a functional call",

@@ -22,6 +22,7 @@ from typing import Any, Iterator, NamedTuple
 import numpy as np
 
 from mp_callbacks._backend import keras, tf
+from mp_callbacks._keras_internals import replaced_on_instance
 from mp_callbacks._loss_scale_source import LossScaleSource
 
 __all__ = ["OutputRange", "PrecisionReport", "diagnose_batch", "layer_output_ranges",
@@ -209,14 +210,10 @@ def recording_layers(
 
         return recorded_call
 
-    layers = _inspected_layers(model)
-    for layer in layers:
-        layer.__dict__["call"] = wrap(layer, layer.call)
-    try:
+    with contextlib.ExitStack() as stack:
+        for layer in _inspected_layers(model):
+            stack.enter_context(replaced_on_instance(layer, {"call": wrap(layer, layer.call)}))
         yield records
-    finally:
-        for layer in layers:
-            layer.__dict__.pop("call", None)
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from mp_callbacks._backend import keras, tf
+from mp_callbacks._keras_internals import seed_generators_of
 from mp_callbacks.diagnosis import (
     FLOAT16_ADVICE_THRESHOLD,
     computing_in_float32,
@@ -122,7 +123,7 @@ def own_relative_errors(model: keras.Model, x: Any) -> dict[str, float]:
             if getattr(layer, "compute_dtype", "float32") not in _LOW_PRECISION or not outputs:
                 continue
             inner = layer._flatten_layers(include_self=True)
-            if any(getattr(sub, "_seed_generators", None) for sub in inner):
+            if any(seed_generators_of(sub) for sub in inner):
                 continue  # a replay would draw other random numbers
             with computing_in_float32(model, layers=inner):
                 reference = _floating(layer(*_to_float32(args), **_to_float32(kwargs)))

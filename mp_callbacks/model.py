@@ -23,7 +23,9 @@ from mp_callbacks._keras_internals import (
     LossScaleSaveable,
     first_batch_of_epoch_iterator,
     functional_class,
+    functional_init_arguments,
     init_functional,
+    register_serialized_name,
 )
 from mp_callbacks._step_record import StepRecord
 from mp_callbacks.errors import MixedPrecisionWarning
@@ -86,15 +88,6 @@ def _accounted(train_step: Callable) -> Callable:
 _FUNCTIONAL_VARIANTS: dict[type, type] = {}
 
 
-def _is_functional_call(args: tuple, kwargs: dict) -> bool:
-    # The same signature test as keras.Model's.
-    return (
-        len(args) == 2
-        or (len(args) == 1 and "outputs" in kwargs)
-        or ("inputs" in kwargs and "outputs" in kwargs)
-    )
-
-
 def _functional_variant(cls: type) -> type:
     """`cls` with Functional mixed in, made once per class.
 
@@ -113,13 +106,8 @@ def _functional_variant(cls: type) -> type:
             (cls, Functional),
             {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
         )
-        try:  # serialize under the name the user registered for `cls`
-            from keras.src.saving import object_registration
-
-            registered = keras.saving.get_registered_name(cls)
-            object_registration.GLOBAL_CUSTOM_NAMES[variant] = registered
-        except (ImportError, AttributeError):  # pragma: no cover
-            pass
+        # Serialized under the name the user registered for `cls`.
+        register_serialized_name(variant, keras.saving.get_registered_name(cls))
         _FUNCTIONAL_VARIANTS[cls] = variant
     return variant
 
@@ -272,7 +260,7 @@ class MixedPrecisionModel(keras.Model):
 
     # Keras reads this signature (auto-config): mutation trampolines would hide it.
     def __init__(self, *args: Any, loss_scale: Any = _AUTO, **kwargs: Any) -> None:  # pragma: no mutate block
-        if _is_functional_call(args, kwargs):
+        if functional_init_arguments(args, kwargs):
             # The arguments that reach here decide, as in keras.Model (not
             # a subclass's own constructor arguments, such as a VAE's
             # encoder and decoder).
