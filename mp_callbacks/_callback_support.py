@@ -1,26 +1,53 @@
-"""What the three callbacks share: deep copies that do not drag a model
-along (keras-tuner deep-copies the callbacks of every trial)."""
+"""`MixedPrecisionCallback`: what the mp_callbacks callbacks share, as
+Keras's callbacks share `MonitorCallback`."""
 
 from __future__ import annotations
 
 import copy
 from typing import Any
 
+from mp_callbacks._backend import keras
+from mp_callbacks._loss_scale_source import LossScaleSource
 
-class ConfigCopyMixin:
-    """`copy.deepcopy` rebuilds the callback from its config.
+__all__ = ["MixedPrecisionCallback"]
 
-    A callback that has been attached to a model holds it; copying that
-    would copy (or, for Keras objects, re-save) the whole model. A copy made
-    from the config is what keras-tuner wants for a new trial: same
-    settings, fresh state.
+
+class MixedPrecisionCallback(keras.callbacks.Callback):
+    """The base of `LossScaleMonitor`, `NaNGradientMonitor`, `EpochTimer`
+    and `HeadroomMonitor`.
+
+    * Settings are the config: `get_config()` returns the constructor's
+      arguments and `from_config` rebuilds from them.
+    * `copy.deepcopy` rebuilds the callback from its config: a callback
+      that has been attached to a model holds it, and copying that would
+      copy (or re-save) the whole model. A copy made from the config is what
+      keras-tuner wants for each trial: same settings, fresh state.
+    * Batch hooks only count steps (device reads happen per epoch, or every
+      N steps), so Keras may dispatch them asynchronously (`async_safe`).
+    * The model's loss scale is found one way (`LossScaleSource.of`).
     """
 
-    def __deepcopy__(self, memo: dict) -> Any:
-        clone = type(self).from_config(copy.deepcopy(self.get_config(), memo))
-        memo[id(self)] = clone
-        return clone
+    def __init__(self) -> None:
+        super().__init__()
+        self.async_safe = True
+
+    def get_config(self) -> dict[str, Any]:
+        raise NotImplementedError
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Any:
         return cls(**config)
+
+    def _shared_by_copies(self) -> list[Any]:
+        """Objects in the config that copies keep rather than copy."""
+        return []
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        for shared in self._shared_by_copies():
+            memo[id(shared)] = shared
+        clone = type(self).from_config(copy.deepcopy(self.get_config(), memo))
+        memo[id(self)] = clone
+        return clone
+
+    def _loss_scale_source(self) -> LossScaleSource:
+        return LossScaleSource.of(self.model)

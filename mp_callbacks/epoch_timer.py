@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from mp_callbacks._backend import keras
-from mp_callbacks._callback_support import ConfigCopyMixin
+from mp_callbacks._callback_support import MixedPrecisionCallback
 from mp_callbacks._loss_scale_source import read_variable
 from mp_callbacks._validation import check_bool, check_int
 
@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 _IDLE, _TRAINING, _VALIDATING, _VALIDATED = "idle", "training", "validating", "validated"
 
 
-class EpochTimer(ConfigCopyMixin, keras.callbacks.Callback):
+class EpochTimer(MixedPrecisionCallback):
     """Times every epoch and puts the figures in the epoch logs.
 
     Logs `epoch_time` (seconds of training in the epoch, validation
@@ -70,20 +70,19 @@ class EpochTimer(ConfigCopyMixin, keras.callbacks.Callback):
                                    requirement="None or an integer >= 1")
         self.time_validation = check_bool("EpochTimer", "time_validation", time_validation)
         self.batch_size = batch_size
-        self.async_safe = True  # pragma: no mutate (a scheduling hint)
         self.records: list[dict[str, Any]] = []
         self._clock = time.perf_counter
         self._warned_samples = False
         # Per-fit and per-epoch state; every hook that reads it is preceded
         # by the hook that sets it, so these are placeholders.
-        self._phase = _IDLE  # pragma: no mutate
-        self._train_begin = 0.0  # pragma: no mutate
-        self._epoch_begin = 0.0  # pragma: no mutate
-        self._train_seconds = 0.0  # pragma: no mutate
-        self._samples: float | None = None  # pragma: no mutate
-        self._val_begin = 0.0  # pragma: no mutate
-        self._val_seconds: float | None = None  # pragma: no mutate
-        self._epoch_steps = 0  # pragma: no mutate
+        self._phase = _IDLE
+        self._train_begin = 0.0
+        self._epoch_begin = 0.0
+        self._train_seconds = 0.0
+        self._samples: float | None = None
+        self._val_begin = 0.0
+        self._val_seconds: float | None = None
+        self._epoch_steps = 0
         self._total_seconds = 0.0
 
     def get_config(self) -> dict[str, Any]:

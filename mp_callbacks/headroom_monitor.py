@@ -8,10 +8,8 @@ import math
 import warnings
 from typing import Any
 
-import numpy as np
-
 from mp_callbacks._backend import keras, tf
-from mp_callbacks._callback_support import ConfigCopyMixin
+from mp_callbacks._callback_support import MixedPrecisionCallback
 from mp_callbacks._keras_internals import global_seed_generator_state
 from mp_callbacks._validation import check_int, check_real, fail
 from mp_callbacks.diagnosis import dtype_max, layer_output_ranges
@@ -35,7 +33,7 @@ def _has_call(model: Any) -> bool:
     return type(model).call is not keras.Model.call
 
 
-class HeadroomMonitor(ConfigCopyMixin, keras.callbacks.Callback):
+class HeadroomMonitor(MixedPrecisionCallback):
     """Records how much of float16's range each float16 layer's output uses.
 
     Every `every_n_steps` training steps, and at the end of an epoch that
@@ -114,7 +112,6 @@ class HeadroomMonitor(ConfigCopyMixin, keras.callbacks.Callback):
         self.layers = list(layers) if layers is not None else None
         self.target = target
         self.history: list[dict[str, Any]] = []
-        self.async_safe = True  # pragma: no mutate (a scheduling hint)
         self._steps = 0
         self._epoch = 0
         self._epoch_max: dict[str, float] = {}
@@ -219,12 +216,9 @@ class HeadroomMonitor(ConfigCopyMixin, keras.callbacks.Callback):
             stacklevel=3,
         )
 
-    def __deepcopy__(self, memo: dict) -> "HeadroomMonitor":
-        clone = type(self)(probe=np.array(self.probe, copy=True) if isinstance(self.probe, np.ndarray)
-                           else self.probe, every_n_steps=self.every_n_steps,
-                           warn_above=self.warn_above, layers=self.layers, target=self.target)
-        memo[id(self)] = clone
-        return clone
+    def _shared_by_copies(self) -> list[Any]:
+        # A target model is the user's: copies probe it, not a copy of it.
+        return [self.target] if isinstance(self.target, keras.Model) else []
 
 
 def _leaving_state_as_it_was(model: keras.Model, run: Any) -> Any:

@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 from mp_callbacks._backend import keras
-from mp_callbacks._callback_support import ConfigCopyMixin
+from mp_callbacks._callback_support import MixedPrecisionCallback
 from mp_callbacks._loss_scale_source import LossScaleSource, read_variable
 from mp_callbacks._validation import check_int, check_real
 from mp_callbacks.errors import MixedPrecisionWarning
@@ -25,7 +25,7 @@ _ADVICE = (
 )
 
 
-class LossScaleMonitor(ConfigCopyMixin, keras.callbacks.Callback):
+class LossScaleMonitor(MixedPrecisionCallback):
     """Records the loss scale and warns when loss scaling is in trouble.
 
     Puts `loss_scale` in every epoch's logs (so `History`, `CSVLogger`,
@@ -101,8 +101,7 @@ class LossScaleMonitor(ConfigCopyMixin, keras.callbacks.Callback):
         self.max_skipped_fraction = float(max_skipped_fraction)
         # Batch hooks only count steps (no tensor reads between N-step
         # records), so Keras may keep dispatching them asynchronously.
-        self.async_safe = True  # pragma: no mutate (a scheduling hint)
-        self._reset(LossScaleSource("none"))  # pragma: no mutate (on_train_begin sets the source)
+        self._reset(LossScaleSource("none"))
 
     def _reset(self, source: LossScaleSource) -> None:
         """Everything is per fit, as in keras.callbacks.History: a monitor
@@ -111,14 +110,14 @@ class LossScaleMonitor(ConfigCopyMixin, keras.callbacks.Callback):
         self._source = source
         self._steps_before_epoch = 0
         self._last_recorded_step = 0
-        self._collapsed = False  # pragma: no mutate (None would do as well)
+        self._collapsed = False
         self._told_inactive = False
         self._counters_at_epoch_start: dict[str, Any] = {}
         # Set again by on_epoch_begin before any use: placeholders.
-        self._epoch_steps = 0  # pragma: no mutate
-        self._lowest_scale = math.inf  # pragma: no mutate
-        self._iterations_at_epoch_start = 0  # pragma: no mutate
-        self._epoch = 0  # pragma: no mutate
+        self._epoch_steps = 0
+        self._lowest_scale = math.inf
+        self._iterations_at_epoch_start = 0
+        self._epoch = 0
 
     def get_config(self) -> dict[str, Any]:
         return {

@@ -258,8 +258,7 @@ class MixedPrecisionModel(keras.Model):
         if own_step is not None and not getattr(own_step, "_mp_accounted", False):
             cls.train_step = _accounted(own_step)
 
-    # Keras reads this signature (auto-config): mutation trampolines would hide it.
-    def __init__(self, *args: Any, loss_scale: Any = _AUTO, **kwargs: Any) -> None:  # pragma: no mutate block
+    def __init__(self, *args: Any, loss_scale: Any = _AUTO, **kwargs: Any) -> None:
         if functional_init_arguments(args, kwargs):
             # The arguments that reach here decide, as in keras.Model (not
             # a subclass's own constructor arguments, such as a VAE's

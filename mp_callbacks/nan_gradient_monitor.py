@@ -10,7 +10,7 @@ import warnings
 from typing import Any
 
 from mp_callbacks._backend import keras
-from mp_callbacks._callback_support import ConfigCopyMixin
+from mp_callbacks._callback_support import MixedPrecisionCallback
 from mp_callbacks._loss_scale_source import LossScaleSource
 from mp_callbacks._validation import check_choice, check_int
 from mp_callbacks.diagnosis import diagnose_batch
@@ -35,7 +35,7 @@ def _logged_losses(logs: dict) -> list[Any]:
             if key.endswith("loss") and not key.startswith("val_")]
 
 
-class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
+class NaNGradientMonitor(MixedPrecisionCallback):
     """Counts non-finite gradient steps and acts when training diverges.
 
     With `MixedPrecisionModel`, a skipped step whose scale is still above its
@@ -98,21 +98,20 @@ class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
         self.patience = patience
         self.action = action
         self.check_every = check_every
-        self.async_safe = True  # pragma: no mutate (batch hooks count steps; reads are periodic)
         self.skipped_steps = 0
         self.handled_steps = 0
         self.error: NonFiniteGradientError | None = None
-        self._loss_scale = None  # pragma: no mutate (set by on_train_begin before any use)
+        self._loss_scale = None
         # Keras may run batch hooks on a thread pool (async_safe): one check at a time.
         self._lock = threading.Lock()
         self._reset_progress()
 
     def _reset_progress(self) -> None:
         self._steps_before_epoch = 0
-        self._epoch_steps = 0  # pragma: no mutate (set by on_epoch_begin before any use)
+        self._epoch_steps = 0
         self._last_check_step = 0
         self._last_state: dict[str, Any] = {}
-        self._last_counts: dict[str, int] = {}  # pragma: no mutate (likewise, on_train_begin)
+        self._last_counts: dict[str, int] = {}
         self._epoch_start_skipped = 0
         self._nonfinite_loss_checks = 0
 
@@ -190,7 +189,7 @@ class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
         diverged = new_divergent > 0 and state["max_divergent_run"] >= self.patience
         self.skipped_steps += new_skips
         self.handled_steps += max(new_skips - new_divergent, 0)
-        if new_skips and not diverged:  # pragma: no mutate (a debug message only)
+        if new_skips and not diverged:
             logger.debug(
                 "NaNGradientMonitor: %d overflowing step(s) skipped by step %d; "
                 "loss scale now %g.", new_skips, step, state["scale"],
@@ -253,7 +252,7 @@ class NaNGradientMonitor(ConfigCopyMixin, keras.callbacks.Callback):
                     + "), found by replaying the batch of the last skipped step."
                 )
                 if report.float32_layers:
-                    located += (f" Compute {', '.join(map(repr, report.float32_layers))} in "  # pragma: no mutate
+                    located += (f" Compute {', '.join(map(repr, report.float32_layers))} in "
                                 "float32: mp_callbacks.with_float32_layers(model, "
                                 f"{report.float32_layers!r}).")
             where = f"{located} {variables_text}"

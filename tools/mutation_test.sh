@@ -1,30 +1,42 @@
 #!/usr/bin/env bash
-# Mutation testing of the decisions with mutmut: the loss-scale state
-# machine, the model's step and the three callbacks, each against its own
-# targeted tests. Runs in a scratch copy of the repository (the work tree is
-# never touched) and prints the kill rate and the surviving mutants.
+# Mutation testing of the decisions with mutmut, one module of mp_callbacks/
+# at a time against its own tests (derived below). Runs in a scratch copy of
+# the repository (the work tree is never touched) and prints the kill rate
+# and the surviving mutants.
 #
-#   tools/mutation_test.sh loss_scale            # about 7 minutes on 2 cores
-#   tools/mutation_test.sh loss_scale_monitor    # likewise nan_gradient_monitor, epoch_timer, model, _gated_update
+#   tools/mutation_test.sh _scale_state          # the state machine
+#   tools/mutation_test.sh loss_scale_monitor    # likewise any module
 #   KEEP=1 tools/mutation_test.sh loss_scale "*from_argument*"   # some mutants; keep the copy
 #                                                # (then: cd <copy> && mutmut show NAME)
 #
-# setup.cfg's [mutmut] section holds the shared settings (fork server,
-# message text and logging not mutated); this script picks the module and
-# its tests. "No tests" mutants count as survivors.
+# setup.cfg's [mutmut] section holds the shared settings and the lines not
+# mutated; [tool:mutation_test] the functions not mutated. "No tests"
+# mutants count as survivors.
 set -euo pipefail
-module="${1:?usage: tools/mutation_test.sh loss_scale|loss_scale_monitor|nan_gradient_monitor|epoch_timer|model|_gated_update [MUTANT_GLOB]}"
+module="${1:?usage: tools/mutation_test.sh MODULE [MUTANT_GLOB] (MODULE: a file of mp_callbacks/, such as loss_scale or _gated_update)}"
 glob="${2:-}"
-case "$module" in
-  loss_scale) tests="tests/test_loss_scale.py tests/test_loss_scale_bounds.py tests/test_contracts.py tests/test_distribute.py" ;;
-  loss_scale_monitor) tests="tests/test_callback_arguments.py tests/test_loss_scale_monitor.py tests/test_callback_reuse.py tests/test_callbacks_integration.py" ;;
-  nan_gradient_monitor) tests="tests/test_callback_arguments.py tests/test_nan_gradient_monitor.py tests/test_callback_reuse.py tests/test_diagnosis.py" ;;
-  epoch_timer) tests="tests/test_callback_arguments.py tests/test_epoch_timer.py tests/test_callback_reuse.py tests/test_callbacks_integration.py" ;;
-  model) tests="tests/test_model.py tests/test_model_state.py tests/test_contracts.py tests/test_diagnosis.py" ;;
-  _gated_update) tests="tests/test_gated_update.py" ;;
-  *) echo "tools/mutation_test.sh: error: unknown module '$module'" >&2; exit 2 ;;
-esac
 repo="$(cd "$(dirname "$0")/.." && pwd)"
+[ -f "$repo/mp_callbacks/$module.py" ] || { echo "tools/mutation_test.sh: error: no module mp_callbacks/$module.py" >&2; exit 2; }
+# The module's tests, derived: tests/test_<module>*.py (tests mirror the
+# modules), and every test file that names one of the module's public names.
+tests="$(cd "$repo" && python - "$module" <<'PY'
+import ast, pathlib, sys
+module = sys.argv[1]
+tree = ast.parse(pathlib.Path(f"mp_callbacks/{module}.py").read_text())
+names = set()
+for node in tree.body:
+    if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+        names = {elt.value for elt in node.value.elts}
+stem = module.lstrip("_")
+found = []
+for path in sorted(pathlib.Path("tests").glob("test_*.py")):
+    text = path.read_text()
+    if path.name.startswith(f"test_{stem}") or any(name in text for name in names):
+        found.append(str(path))
+print(" ".join(found))
+PY
+)"
+echo "tests: $tests"
 python -m pip install --quiet "mutmut==3.8.1"
 work="$(mktemp -d)"
 if [ -n "${KEEP:-}" ]; then echo "scratch copy: $work"; else trap 'rm -rf "$work"' EXIT; fi
@@ -51,7 +63,20 @@ for line in open(path).read().split("\n"):
         decorated = False
     out.append(line)
 out += [f"{name} = _no_autograph({name})" for name in wrapped]
-open(path, "w").write("\n".join(out) + "\n")
+# Functions setup.cfg's [tool:mutation_test] keeps unmutated.
+import configparser
+config = configparser.ConfigParser()
+config.read("setup.cfg")
+text = "\n".join(out) + "\n"
+for entry in config.get("tool:mutation_test", "no_mutate_functions", fallback="").strip().splitlines():
+    file, _, start = entry.partition(": ")
+    if file.strip() == path:
+        lines = text.split("\n")
+        for i, line in enumerate(lines):
+            if start in line and line.rstrip().endswith(":"):
+                lines[i] = line + "  # pragma: no mutate block"
+        text = "\n".join(lines)
+open(path, "w").write(text)
 PY
 python - "$module" $tests <<'PY'
 import re, sys
