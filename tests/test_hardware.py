@@ -171,9 +171,11 @@ def test_probe_refuses_an_unknown_policy():
 
 def test_recommend_policy_follows_the_measurement_of_this_machine(probe):
     measured = inspect_hardware()  # the process's one probe
-    assert mp.recommend_policy() == measured.recommended_policy
-    again = inspect_hardware(speed=measured.speed)
-    assert again.recommended_policy == measured.recommended_policy
+    fast = [p for p, ratio in measured.speed.ratios.items() if p != "float32" and ratio >= 1.1]
+    # The measured ratios decide: a policy is advised only where it was fast here.
+    assert mp.recommend_policy() in (fast or ["float32"])
+    if not fast:
+        assert mp.recommend_policy() == "float32"
     # Without the probe: the rules alone, from this CPU's features.
     rules = inspect_hardware(measure=False)
     expected = "mixed_bfloat16" if rules.cpu.native_bfloat16 and not rules.gpus else rules.recommended_policy
