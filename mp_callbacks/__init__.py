@@ -27,8 +27,8 @@ from mp_callbacks._backend import package_version as _package_version
 from mp_callbacks.autotune import autotune
 from mp_callbacks.diagnosis import PrecisionReport, diagnose_batch
 from mp_callbacks.epoch_timer import EpochTimer
-from mp_callbacks.float32_layers import float32_copy, with_float32_layers
 from mp_callbacks.errors import MixedPrecisionWarning, NonFiniteGradientError, UnsupportedArgumentError
+from mp_callbacks.float32_layers import float32_copy, with_float32_layers
 from mp_callbacks.hardware import POLICIES, inspect_hardware, recommend_policy
 from mp_callbacks.headroom_monitor import HeadroomMonitor
 from mp_callbacks.loss_scale import DynamicLossScale
@@ -43,28 +43,28 @@ from mp_callbacks.speed_comparison import SpeedComparison
 __version__ = _package_version()
 
 __all__ = [
+    "LOG_KEYS",
+    "POLICIES",
     "DynamicLossScale",
     "EpochTimer",
     "Finding",
     "HeadroomMonitor",
-    "PrecisionReport",
-    "diagnose_batch",
-    "with_float32_layers",
-    "float32_copy",
-    "autotune",
-    "PrecisionPlan",
-    "SpeedComparison",
-    "check_model",
     "LossScaleMonitor",
     "LossScaleOptimizer",
+    "MixedPrecisionModel",
     "MixedPrecisionWarning",
     "NaNGradientMonitor",
     "NonFiniteGradientError",
+    "PrecisionPlan",
+    "PrecisionReport",
+    "SpeedComparison",
     "UnsupportedArgumentError",
-    "MixedPrecisionModel",
-    "LOG_KEYS",
-    "POLICIES",
+    "__version__",
+    "autotune",
+    "check_model",
+    "diagnose_batch",
+    "float32_copy",
     "inspect_hardware",
     "recommend_policy",
-    "__version__",
+    "with_float32_layers",
 ]

@@ -42,13 +42,13 @@ if _requested and _requested != "tensorflow":
     raise _backend_error(_requested)
 
 try:
-    import tensorflow as tf  # noqa: F401
+    import tensorflow as tf
 except ImportError as error:  # pragma: no cover - exercised in a bare venv only
     raise ImportError(
         "mp_callbacks needs TensorFlow (>= 2.19) as the Keras backend, and it "
         "could not be imported. Install a TensorFlow build with one of the "
-        "extras: `pip install \"mp_callbacks[cpu]\"` (tensorflow-cpu) or "
-        "`pip install \"mp_callbacks[gpu]\"` (tensorflow[and-cuda]). "
+        'extras: `pip install "mp_callbacks[cpu]"` (tensorflow-cpu) or '
+        '`pip install "mp_callbacks[gpu]"` (tensorflow[and-cuda]). '
         f"Original error: {error}"
     ) from error
 
@@ -64,9 +64,7 @@ if keras.backend.backend() != "tensorflow":
     raise _backend_error(keras.backend.backend())
 
 if _version_tuple(tf.__version__) < _MIN_TF:  # pragma: no cover
-    raise ImportError(
-        f"mp_callbacks needs TensorFlow >= 2.19; found {tf.__version__}."
-    )
+    raise ImportError(f"mp_callbacks needs TensorFlow >= 2.19; found {tf.__version__}.")
 
 
 def package_version() -> str:

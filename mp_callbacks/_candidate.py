@@ -20,8 +20,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -54,7 +55,8 @@ def load_function(target: str) -> Callable[..., Any]:
     if module_name.endswith(".py") or os.sep in module_name or "/" in module_name:
         path = os.path.abspath(module_name)
         spec = importlib.util.spec_from_file_location(
-            "_mp_callbacks_model_" + os.path.splitext(os.path.basename(path))[0], path)
+            "_mp_callbacks_model_" + os.path.splitext(os.path.basename(path))[0], path
+        )
         if spec is None or spec.loader is None:
             raise ImportError(f"cannot import {module_name}")
         module = importlib.util.module_from_spec(spec)
@@ -68,8 +70,13 @@ def load_function(target: str) -> Callable[..., Any]:
     return getattr(module, function)
 
 
-def build_model(build: Callable[..., Any], policy: str, args: list[Any],
-                float32_layers: list[str], initial_scale: float | None) -> Any:
+def build_model(
+    build: Callable[..., Any],
+    policy: str,
+    args: list[Any],
+    float32_layers: list[str],
+    initial_scale: float | None,
+) -> Any:
     """`build(*args)` under `policy`, made a `MixedPrecisionModel` when it is
     functional or Sequential (so that float16 gets loss scaling), with the
     pinned layers in float32 and the initial loss scale, compiled (Adam,
@@ -92,11 +99,15 @@ def build_model(build: Callable[..., Any], policy: str, args: list[Any],
             optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
             compile_config["optimizer"] = type(optimizer).from_config(optimizer.get_config())
         if not isinstance(model, MixedPrecisionModel) and (
-                isinstance(model, keras.Sequential) or hasattr(model, "_run_through_graph")):
+            isinstance(model, keras.Sequential) or hasattr(model, "_run_through_graph")
+        ):
             model = MixedPrecisionModel.from_model(model)
         if compile_config is None:
-            compile_config = dict(optimizer=keras.optimizers.Adam(),
-                                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+            compile_config = {
+                "optimizer": keras.optimizers.Adam(),
+                "loss": "sparse_categorical_crossentropy",
+                "metrics": ["accuracy"],
+            }
         model.compile(**compile_config)
         if isinstance(model, MixedPrecisionModel) and initial_scale is not None:
             model.set_loss_scale(DynamicLossScale(initial_scale=float(initial_scale)))
@@ -106,8 +117,9 @@ def build_model(build: Callable[..., Any], policy: str, args: list[Any],
 class Trainer:
     """Trains one candidate model step by step on fixed batches."""
 
-    def __init__(self, model: Any, data: dict[str, np.ndarray], batch_size: int,
-                 weights: list[np.ndarray] | None) -> None:
+    def __init__(
+        self, model: Any, data: dict[str, np.ndarray], batch_size: int, weights: list[np.ndarray] | None
+    ) -> None:
         from mp_callbacks._backend import tf
 
         self.model = model
@@ -115,7 +127,7 @@ class Trainer:
             model.set_weights(weights)
         x, y = data["x_train"], data["y_train"]
         self.batches = [
-            (tf.constant(x[i:i + batch_size]), tf.constant(y[i:i + batch_size]))
+            (tf.constant(x[i : i + batch_size]), tf.constant(y[i : i + batch_size]))
             for i in range(0, len(x) - batch_size + 1, batch_size)
         ] or [(tf.constant(x), tf.constant(y))]
         self.validation = (data["x_val"], data["y_val"])
@@ -154,14 +166,15 @@ def _trainer(spec: CandidateSpec) -> Trainer:
     from mp_callbacks._backend import keras
 
     keras.utils.set_random_seed(spec.seed)
-    model = build_model(load_function(spec.target), spec.policy, spec.args,
-                        spec.float32_layers, spec.initial_scale)
+    model = build_model(
+        load_function(spec.target), spec.policy, spec.args, spec.float32_layers, spec.initial_scale
+    )
     with np.load(spec.data) as data:
         arrays = {k: data[k] for k in data.files}
     weights = None
     if spec.weights:
         with np.load(spec.weights) as stored:
-            weights = [stored[f"w{i}"] for i in range(len(stored.files))]
+            weights = [stored[f"arr_{i}"] for i in range(len(stored.files))]
     return Trainer(model, arrays, spec.batch_size, weights)
 
 
@@ -181,7 +194,7 @@ class LocalCandidate:
             with np.load(spec.data) as data:
                 arrays = {k: data[k] for k in data.files}
             with np.load(spec.weights) as stored:
-                weights = [stored[f"w{i}"] for i in range(len(stored.files))]
+                weights = [stored[f"arr_{i}"] for i in range(len(stored.files))]
             self.trainer = Trainer(model, arrays, spec.batch_size, weights)
 
     def request(self, command: dict[str, Any]) -> dict[str, Any]:
@@ -202,11 +215,15 @@ class ProcessCandidate:
         self.spec = spec
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
         # A file, not a pipe: a worker that logs much must never block on it.
-        self.log = tempfile.TemporaryFile(mode="w+")
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed in close())
         self.process = subprocess.Popen(
             [sys.executable, "-m", "mp_callbacks._candidate_worker", json.dumps(asdict(spec))],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-            text=True, env=env, bufsize=1,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+            bufsize=1,
         )
 
     def request(self, command: dict[str, Any]) -> dict[str, Any]:
@@ -228,8 +245,9 @@ class ProcessCandidate:
     def _last_error(self) -> str:
         """The worker's last error line (not a warning), or its exit code."""
         self.log.seek(0)
-        lines = [line for line in self.log.read().strip().splitlines()
-                 if line.strip() and "Warning" not in line]
+        lines = [
+            line for line in self.log.read().strip().splitlines() if line.strip() and "Warning" not in line
+        ]
         errors = [line for line in lines if "Error" in line or "error" in line]
         code = self.process.returncode
         return (errors or lines or [""])[-1] + f" (exit code {code})"
@@ -263,10 +281,8 @@ def _worker(argv: list[str]) -> int:
         if command["cmd"] == "exit":
             break
         try:
-            reply = (trainer.train(int(command["steps"])) if command["cmd"] == "train"
-                     else trainer.evaluate())
+            reply = trainer.train(int(command["steps"])) if command["cmd"] == "train" else trainer.evaluate()
         except Exception as error:
             reply = {"error": f"{type(error).__name__}: {error}"}
         replies.write(json.dumps(reply) + "\n")
     return 0
-

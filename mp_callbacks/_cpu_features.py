@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import platform
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 __all__ = ["CpuInfo", "parse_proc_cpuinfo", "parse_sysctl", "read_cpu_info"]
 
@@ -100,8 +100,7 @@ def parse_proc_cpuinfo(text: str, architecture: str) -> CpuInfo:
     )
     if not model and "CPU part" in fields:
         model = f"Arm CPU (implementer {fields.get('CPU implementer')}, part {fields['CPU part']})"
-    return CpuInfo(model or architecture, architecture, frozenset(words & RELEVANT_FEATURES),
-                   "/proc/cpuinfo")
+    return CpuInfo(model or architecture, architecture, frozenset(words & RELEVANT_FEATURES), "/proc/cpuinfo")
 
 
 def parse_sysctl(text: str, architecture: str) -> CpuInfo:
@@ -120,8 +119,7 @@ def parse_sysctl(text: str, architecture: str) -> CpuInfo:
         elif key in ("machdep.cpu.features", "machdep.cpu.leaf7_features"):
             # "AVX512F AVX512BF16 ..." -> Linux's spelling, "avx512_bf16"
             for word in value.lower().split():
-                features.add(word.replace("avx512bf16", "avx512_bf16")
-                             .replace("avx512fp16", "avx512_fp16"))
+                features.add(word.replace("avx512bf16", "avx512_bf16").replace("avx512fp16", "avx512_fp16"))
     return CpuInfo(model, architecture, frozenset(features & RELEVANT_FEATURES), "sysctl")
 
 

@@ -42,7 +42,9 @@ added to the step, and the caller falls back to the `tf.cond`.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from mp_callbacks._backend import keras, tf
 from mp_callbacks._keras_internals import replaced_on_instance, tf_optimizer_class, uses_weight_decay
@@ -57,14 +59,16 @@ __all__ = ["gated_apply"]
 _IN_PLACE_MAX_ELEMENTS = 1 << 16
 
 # Stateful ops that only read state: they may appear anywhere in the update.
-_READ_ONLY_STATEFUL_OPS = frozenset({
-    "ReadVariableOp",
-    "VarHandleOp",
-    "VarIsInitializedOp",
-    "VariableShape",
-    "ResourceGather",
-    "ResourceGatherNd",
-})
+_READ_ONLY_STATEFUL_OPS = frozenset(
+    {
+        "ReadVariableOp",
+        "VarHandleOp",
+        "VarIsInitializedOp",
+        "VariableShape",
+        "ResourceGather",
+        "ResourceGatherNd",
+    }
+)
 
 
 def _tf_variable(variable: Any) -> Any:
@@ -113,8 +117,11 @@ class _GatedWrites:
         # A zero of the increment's shape, shared by every write of that
         # shape: with a static shape it is a constant (Grappler folds the
         # Fill), so healthy steps pay one Select per write and nothing more.
-        zero = tf.constant(-0.0 if negative else 0.0, like.dtype) if like.dtype.is_floating \
+        zero = (
+            tf.constant(-0.0 if negative else 0.0, like.dtype)
+            if like.dtype.is_floating
             else tf.constant(0, like.dtype)
+        )
         if not like.shape.is_fully_defined():
             return tf.fill(tf.shape(like), zero)
         key = (tuple(like.shape), like.dtype, negative)
@@ -194,14 +201,20 @@ class _GatedWrites:
                     target = _tf_variable(variable)
                     lr = tf.cast(optimizer.learning_rate, target.dtype)
                     wd = tf.cast(optimizer.weight_decay, target.dtype)
-                    self._write(variable, lambda old: old - old * wd * lr)
+                    self._write(variable, functools.partial(_decayed, wd=wd, lr=lr))
+
+
+def _decayed(old: tf.Tensor, wd: tf.Tensor, lr: tf.Tensor) -> tf.Tensor:
+    return old - old * wd * lr
 
 
 def _routed(optimizer: Any, writes: _GatedWrites) -> Any:
     """The optimizer's writes routed through the gated ones for the duration
     (fenced in `_keras_internals.replaced_on_instance`)."""
     replacements = {name: getattr(writes, name) for name in ("assign", "assign_add", "assign_sub")}
-    if type(optimizer)._apply_weight_decay is tf_optimizer_class()._apply_weight_decay:
+    own: Any = type(optimizer)
+    keras_own: Any = tf_optimizer_class()
+    if own._apply_weight_decay is keras_own._apply_weight_decay:
         replacements["_apply_weight_decay"] = writes.apply_weight_decay
     return replaced_on_instance(optimizer, replacements)
 
@@ -213,9 +226,16 @@ _COUNTER_WRITES = frozenset({"AssignAddVariableOp", "AssignVariableOp"})
 # Data-dependent control flow in an update (Keras's sparse arithmetic uses it)
 # may take paths a skipped step's state was never meant to reach, and one of
 # Keras's fails there: such updates keep the tf.cond.
-_CONTROL_FLOW_OPS = frozenset({
-    "If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
-})
+_CONTROL_FLOW_OPS = frozenset(
+    {
+        "If",
+        "StatelessIf",
+        "While",
+        "StatelessWhile",
+        "Case",
+        "StatelessCase",
+    }
+)
 
 
 def _writes_only_through(graph: Any, ours: set[str], counter_handle: str) -> bool:

@@ -9,7 +9,8 @@ the step's decision.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 from mp_callbacks._backend import tf
 

@@ -9,7 +9,8 @@ breaks a test here rather than a user's training run.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, NamedTuple
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -42,8 +43,9 @@ def init_functional(model: Any, args: tuple, kwargs: dict) -> None:
     class between the model's and keras.Model for the whole process."""
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
+    functional: Any = functional_class()
     TensorFlowTrainer.__init__(model)
-    functional_class().__init__(model, *args, **kwargs)
+    functional.__init__(model, *args, **kwargs)
 
 
 def global_seed_generator_state() -> Any:
@@ -139,8 +141,9 @@ def _epoch_iterator() -> bool:
 
     from mp_callbacks._backend import tf
 
-    iterator = TFEpochIterator(x=np.zeros((4, 1), "float32"), batch_size=2,
-                               distribute_strategy=tf.distribute.get_strategy())
+    iterator = TFEpochIterator(
+        x=np.zeros((4, 1), "float32"), batch_size=2, distribute_strategy=tf.distribute.get_strategy()
+    )
     batch = first_batch_of_epoch_iterator(iterator.enumerate_epoch())
     return batch is not None and tuple(np.shape(batch[0] if isinstance(batch, tuple) else batch)) == (2, 1)
 
@@ -164,24 +167,38 @@ def _functional_init() -> bool:
 
     inputs = keras.Input((2,))
     outputs = keras.layers.Dense(1)(inputs)
-    model = Probe.__new__(type("ProbeFunctional", (Probe, functional_class()), {}))
+    model: Any = Probe.__new__(type("ProbeFunctional", (Probe, functional_class()), {}))
     init_functional(model, (inputs, outputs), {})
     return Probe.__bases__ == (keras.Model,) and model.built and len(model.layers) == 2
 
 
 # Every method Keras's LossScaleOptimizer defines that reads its own state
 # (made in its __init__ and build, which mp_callbacks' subclass skips).
-LOSS_SCALE_OPTIMIZER_OVERRIDES = frozenset({
-    "__init__", "build", "variables", "stateless_apply", "apply", "learning_rate",
-    "iterations", "scale_loss", "finalize_variable_values", "get_config", "from_config",
-})
+LOSS_SCALE_OPTIMIZER_OVERRIDES = frozenset(
+    {
+        "__init__",
+        "build",
+        "variables",
+        "stateless_apply",
+        "apply",
+        "learning_rate",
+        "iterations",
+        "scale_loss",
+        "finalize_variable_values",
+        "get_config",
+        "from_config",
+    }
+)
 # Its methods that read no state of its own: inherited as they are.
 LOSS_SCALE_OPTIMIZER_STATELESS = frozenset({"check_finite"})
 
 
 def _loss_scale_optimizer_methods() -> bool:
-    own = {name for name in vars(keras.optimizers.LossScaleOptimizer) if not name.startswith("__")
-           or name == "__init__"}
+    own = {
+        name
+        for name in vars(keras.optimizers.LossScaleOptimizer)
+        if not name.startswith("__") or name == "__init__"
+    }
     helpers = {name for name in own if name.startswith("_") and name != "__init__"}
     return own - helpers <= LOSS_SCALE_OPTIMIZER_OVERRIDES | LOSS_SCALE_OPTIMIZER_STATELESS
 
@@ -214,7 +231,7 @@ def _layer_graph() -> bool:
     if history is None:
         return False
     layer = history[0]
-    nodes = getattr(layer, "_inbound_nodes", None)
+    nodes: Any = getattr(layer, "_inbound_nodes", None)
     return bool(nodes) and _has(nodes[0], "input_tensors")
 
 
@@ -237,51 +254,101 @@ def _object_registration() -> bool:
 
 
 INTERNALS = (
-    Internal("tf.__internal__.distribute.strategy_supports_no_merge_call",
-             "_skip.py, loss_scale.py (where the skip and the state update run under a strategy)",
-             lambda: isinstance(strategy_supports_no_merge_call(), bool)),
-    Internal("keras.src.models.model.functional_init_arguments",
-             "model.py (a functional call, as keras.Model tells it)",
-             lambda: functional_init_arguments((1, 2), {}) and not functional_init_arguments((), {})),
-    Internal("Optimizer._use_weight_decay(variable)", "_gated_update.py (gated weight decay)",
-             lambda: _has(keras.optimizers.AdamW(), "_use_weight_decay")),
-    Internal("Layer._seed_generators", "layer_selection.py (layers that draw random numbers)",
-             lambda: bool(seed_generators_of(keras.layers.Dropout(0.5)))),
-    Internal("tf.Module _trackable_children / _lookup_dependency (TensorFlow's checkpoint protocol)",
-             "loss_scale_optimizer.py (checkpoints move between plain and wrapped optimizers)",
-             lambda: _has(keras.optimizers.SGD(), "_trackable_children", "_lookup_dependency")),
-    Internal("keras.src.models.functional.Functional", "model.py (functional MixedPrecisionModel)",
-             lambda: isinstance(functional_class(), type)),
-    Internal("keras.Model.__init__ = TensorFlowTrainer.__init__ + Functional.__init__ for a functional call",
-             "model.py (a subclass that calls super().__init__(inputs=..., outputs=...))",
-             _functional_init),
-    Internal("keras.optimizers.LossScaleOptimizer methods, all overridden by mp_callbacks'",
-             "loss_scale_optimizer.py (subclasses Keras's, skipping its __init__)",
-             _loss_scale_optimizer_methods),
-    Internal("keras.src.saving.object_registration.GLOBAL_CUSTOM_NAMES",
-             "model.py (functional variant serializes under the user's name)", _object_registration),
-    Internal("keras.src.saving.keras_saveable.KerasSaveable",
-             "_keras_internals.LossScaleSaveable (loss scale in weights files)",
-             lambda: _has(keras_saveable_class(), "_obj_type")),
-    Internal("keras.src.saving.saving_lib walk of KerasSaveable attributes",
-             "LossScaleSaveable is found as a model attribute", _saving_lib_walk),
-    Internal("Model._compute_loss, _loss_tracker(count), _call_has_training_arg, _maybe_symbolic_build",
-             "model.py train_step; epoch_timer.py sample count", _model_private_api),
-    Internal("keras.src.backend.tensorflow.trainer.TFEpochIterator.enumerate_epoch items end with the batches",
-             "model.py _maybe_symbolic_build under MultiWorkerMirroredStrategy", _epoch_iterator),
-    Internal("TensorFlow CollectiveAllReduceExtended._in_multi_worker_mode",
-             "model.py: logs shaped [1] only under a real multi-worker strategy", _multi_worker_mode_flag),
-    Internal("Layer._flatten_layers(include_self, recursive), Functional._run_through_graph",
-             "model.py, model_checks.py, diagnosis.py (finding every layer)", _layer_walk),
-    Internal("keras.src.backend.common.global_state 'global_seed_generator' (a SeedGenerator)",
-             "headroom_monitor.py (its probe leaves the global seed as it was)",
-             _global_seed_generator),
-    Internal("Layer._dtype_policy (swapped for the float32 replay)",
-             "diagnosis.py computing_in_float32", lambda: hasattr(keras.layers.Dense(1), "_dtype_policy")),
-    Internal("KerasTensor._keras_history, Layer._inbound_nodes[].input_tensors",
-             "model_checks.py (walking the layer graph)", _layer_graph),
-    Internal("keras.src.backend.tensorflow.optimizer.TFOptimizer (_apply_weight_decay, assign*)",
-             "_gated_update.py (gating Keras's weight decay and writes)", _tf_weight_decay),
+    Internal(
+        "tf.__internal__.distribute.strategy_supports_no_merge_call",
+        "_skip.py, loss_scale.py (where the skip and the state update run under a strategy)",
+        lambda: isinstance(strategy_supports_no_merge_call(), bool),
+    ),
+    Internal(
+        "keras.src.models.model.functional_init_arguments",
+        "model.py (a functional call, as keras.Model tells it)",
+        lambda: functional_init_arguments((1, 2), {}) and not functional_init_arguments((), {}),
+    ),
+    Internal(
+        "Optimizer._use_weight_decay(variable)",
+        "_gated_update.py (gated weight decay)",
+        lambda: _has(keras.optimizers.AdamW(), "_use_weight_decay"),
+    ),
+    Internal(
+        "Layer._seed_generators",
+        "layer_selection.py (layers that draw random numbers)",
+        lambda: bool(seed_generators_of(keras.layers.Dropout(0.5))),
+    ),
+    Internal(
+        "tf.Module _trackable_children / _lookup_dependency (TensorFlow's checkpoint protocol)",
+        "loss_scale_optimizer.py (checkpoints move between plain and wrapped optimizers)",
+        lambda: _has(keras.optimizers.SGD(), "_trackable_children", "_lookup_dependency"),
+    ),
+    Internal(
+        "keras.src.models.functional.Functional",
+        "model.py (functional MixedPrecisionModel)",
+        lambda: isinstance(functional_class(), type),
+    ),
+    Internal(
+        "keras.Model.__init__ = TensorFlowTrainer.__init__ + Functional.__init__ for a functional call",
+        "model.py (a subclass that calls super().__init__(inputs=..., outputs=...))",
+        _functional_init,
+    ),
+    Internal(
+        "keras.optimizers.LossScaleOptimizer methods, all overridden by mp_callbacks'",
+        "loss_scale_optimizer.py (subclasses Keras's, skipping its __init__)",
+        _loss_scale_optimizer_methods,
+    ),
+    Internal(
+        "keras.src.saving.object_registration.GLOBAL_CUSTOM_NAMES",
+        "model.py (functional variant serializes under the user's name)",
+        _object_registration,
+    ),
+    Internal(
+        "keras.src.saving.keras_saveable.KerasSaveable",
+        "_keras_internals.LossScaleSaveable (loss scale in weights files)",
+        lambda: _has(keras_saveable_class(), "_obj_type"),
+    ),
+    Internal(
+        "keras.src.saving.saving_lib walk of KerasSaveable attributes",
+        "LossScaleSaveable is found as a model attribute",
+        _saving_lib_walk,
+    ),
+    Internal(
+        "Model._compute_loss, _loss_tracker(count), _call_has_training_arg, _maybe_symbolic_build",
+        "model.py train_step; epoch_timer.py sample count",
+        _model_private_api,
+    ),
+    Internal(
+        "keras.src.backend.tensorflow.trainer.TFEpochIterator.enumerate_epoch items end with the batches",
+        "model.py _maybe_symbolic_build under MultiWorkerMirroredStrategy",
+        _epoch_iterator,
+    ),
+    Internal(
+        "TensorFlow CollectiveAllReduceExtended._in_multi_worker_mode",
+        "model.py: logs shaped [1] only under a real multi-worker strategy",
+        _multi_worker_mode_flag,
+    ),
+    Internal(
+        "Layer._flatten_layers(include_self, recursive), Functional._run_through_graph",
+        "model.py, model_checks.py, diagnosis.py (finding every layer)",
+        _layer_walk,
+    ),
+    Internal(
+        "keras.src.backend.common.global_state 'global_seed_generator' (a SeedGenerator)",
+        "headroom_monitor.py (its probe leaves the global seed as it was)",
+        _global_seed_generator,
+    ),
+    Internal(
+        "Layer._dtype_policy (swapped for the float32 replay)",
+        "diagnosis.py computing_in_float32",
+        lambda: hasattr(keras.layers.Dense(1), "_dtype_policy"),
+    ),
+    Internal(
+        "KerasTensor._keras_history, Layer._inbound_nodes[].input_tensors",
+        "model_checks.py (walking the layer graph)",
+        _layer_graph,
+    ),
+    Internal(
+        "keras.src.backend.tensorflow.optimizer.TFOptimizer (_apply_weight_decay, assign*)",
+        "_gated_update.py (gating Keras's weight decay and writes)",
+        _tf_weight_decay,
+    ),
 )
 
 
@@ -298,7 +365,10 @@ def missing_internals() -> list[str]:
     return missing
 
 
-class LossScaleSaveable(keras_saveable_class()):
+_KerasSaveable: Any = keras_saveable_class()
+
+
+class LossScaleSaveable(_KerasSaveable):
     """The loss-scale state as a child of a model in Keras weights files.
 
     Kept apart from the model's own variables so that weights saved by a
@@ -327,7 +397,7 @@ class LossScaleSaveable(keras_saveable_class()):
         if loss_scale is not None and keys:
             loss_scale.set_state({key: store[key] for key in keys})
 
-    def __deepcopy__(self, memo: dict) -> "LossScaleSaveable":
+    def __deepcopy__(self, memo: dict) -> LossScaleSaveable:
         # A copied model makes its own (see MixedPrecisionModel); this one
         # points at the original's loss scale.
         return LossScaleSaveable(lambda: None)

@@ -36,8 +36,11 @@ def find_scaler(model: Any) -> DynamicLossScale | None:
     `mp_callbacks.LossScaleOptimizer`, or any attribute of the model that
     holds one (a hand-written `train_step`'s `self.scaler`, or an
     optimizer attribute such as `self.d_optimizer`), in name order."""
-    for candidate in (getattr(model, "scaler", None), getattr(model, "loss_scale", None),
-                      getattr(model, "optimizer", None)):
+    for candidate in (
+        getattr(model, "scaler", None),
+        getattr(model, "loss_scale", None),
+        getattr(model, "optimizer", None),
+    ):
         found = _held_scale(candidate)
         if found is not None:
             return found
@@ -66,11 +69,11 @@ class LossScaleSource:
     """
 
     kind: str
-    scaler: DynamicLossScale | None = None
+    scaler: Any = None  # a DynamicLossScale, or None
     optimizer: Any = None
 
     @classmethod
-    def of(cls, model: Any) -> "LossScaleSource":
+    def of(cls, model: Any) -> LossScaleSource:
         scaler = find_scaler(model)
         if scaler is not None:
             return cls("mp" if scaler.scales_losses else "none", scaler=scaler)
@@ -113,8 +116,11 @@ class LossScaleSource:
         optimizer, which keeps no such latch, the current scale."""
         if self.kind == "mp":
             state = self.scaler.diagnostics()
-            lowest = state["scale"] if state["lowest_scale"] is None else min(
-                state["lowest_scale"], state["scale"])
+            lowest = (
+                state["scale"]
+                if state["lowest_scale"] is None
+                else min(state["lowest_scale"], state["scale"])
+            )
             self.scaler.reset_lowest_scale()
             return lowest
         return self.read_scale()

@@ -32,8 +32,14 @@ from mp_callbacks._backend import tf
 from mp_callbacks._validation import FLOAT32_MAX, check_int, check_real
 
 __all__ = [
-    "MIN_LOSS_SCALE", "MAX_FIXED_LOSS_SCALE", "STATE_VARIABLES", "ScaleSettings",
-    "check_fixed_scale", "check_scale", "transition", "validated_updates",
+    "MAX_FIXED_LOSS_SCALE",
+    "MIN_LOSS_SCALE",
+    "STATE_VARIABLES",
+    "ScaleSettings",
+    "check_fixed_scale",
+    "check_scale",
+    "transition",
+    "validated_updates",
 ]
 
 _OWNER = "DynamicLossScale"
@@ -53,15 +59,20 @@ FIXED_SCALE_REQUIREMENT = "a number from 2**-24 (5.96e-08) to 2**64 (1.84e+19) w
 def check_scale(owner: str, argument: str, value: Any) -> float:
     """A loss scale (initial, min or max) as a float; raises naming
     `argument` below MIN_LOSS_SCALE or beyond float32."""
-    return check_real(owner, argument, value, low=MIN_LOSS_SCALE, float32=True,
-                      requirement=SCALE_REQUIREMENT)
+    return check_real(owner, argument, value, low=MIN_LOSS_SCALE, float32=True, requirement=SCALE_REQUIREMENT)
 
 
 def check_fixed_scale(owner: str, argument: str, value: Any) -> float:
     """A fixed loss scale given as a plain number, as a float; raises
     naming `argument` outside [MIN_LOSS_SCALE, MAX_FIXED_LOSS_SCALE]."""
-    return check_real(owner, argument, value, low=MIN_LOSS_SCALE, high=MAX_FIXED_LOSS_SCALE,
-                      requirement=FIXED_SCALE_REQUIREMENT)
+    return check_real(
+        owner,
+        argument,
+        value,
+        low=MIN_LOSS_SCALE,
+        high=MAX_FIXED_LOSS_SCALE,
+        requirement=FIXED_SCALE_REQUIREMENT,
+    )
 
 
 @dataclass(frozen=True)
@@ -77,8 +88,16 @@ class ScaleSettings:
     hysteresis: int
 
     @classmethod
-    def checked(cls, initial_scale: Any, growth_interval: Any, growth_factor: Any,
-                backoff_factor: Any, min_scale: Any, max_scale: Any, hysteresis: Any) -> "ScaleSettings":
+    def checked(
+        cls,
+        initial_scale: Any,
+        growth_interval: Any,
+        growth_factor: Any,
+        backoff_factor: Any,
+        min_scale: Any,
+        max_scale: Any,
+        hysteresis: Any,
+    ) -> ScaleSettings:
         """Each setting in the dtype it is stored in (float32 scales, int64
         counters), so that no accepted value becomes inf or 0 later;
         raises naming the argument and the value."""
@@ -88,10 +107,17 @@ class ScaleSettings:
         growth_interval = check_int(_OWNER, "growth_interval", growth_interval, low=1)
         hysteresis = check_int(_OWNER, "hysteresis", hysteresis, low=1)
         growth_factor = check_real(
-            _OWNER, "growth_factor", growth_factor, low=1.0, low_inclusive=False, float32=True)
+            _OWNER, "growth_factor", growth_factor, low=1.0, low_inclusive=False, float32=True
+        )
         backoff_factor = check_real(
-            _OWNER, "backoff_factor", backoff_factor, low=0.0, high=1.0,
-            low_inclusive=False, high_inclusive=False, float32=True,
+            _OWNER,
+            "backoff_factor",
+            backoff_factor,
+            low=0.0,
+            high=1.0,
+            low_inclusive=False,
+            high_inclusive=False,
+            float32=True,
             requirement="a number in the open interval (0, 1)",
         )
         if min_scale > max_scale:
@@ -104,8 +130,9 @@ class ScaleSettings:
                 f"{_OWNER}: `initial_scale` must be within [min_scale, max_scale] = "
                 f"[{min_scale!r}, {max_scale!r}]; received initial_scale={initial_scale!r}."
             )
-        return cls(initial_scale, growth_interval, growth_factor, backoff_factor, min_scale,
-                   max_scale, hysteresis)
+        return cls(
+            initial_scale, growth_interval, growth_factor, backoff_factor, min_scale, max_scale, hysteresis
+        )
 
     @property
     def is_dynamic(self) -> bool:
@@ -128,20 +155,24 @@ STATE_VARIABLES = (
     StateVariable("skipped_steps", tf.int64, "steps skipped for non-finite gradients"),
     StateVariable("nonfinite_loss_steps", tf.int64, "steps whose loss was non-finite"),
     StateVariable(
-        "divergent_steps", tf.int64,
+        "divergent_steps",
+        tf.int64,
         "divergent steps: a non-finite loss, or a skipped step with the scale at min_scale",
     ),
     StateVariable("divergent_run", tf.int64, "the current run of consecutive divergent steps"),
     StateVariable(
-        "max_divergent_run", tf.int64,
+        "max_divergent_run",
+        tf.int64,
         "the longest divergent run since the last reset_divergence_latches()",
     ),
     StateVariable(
-        "lowest_scale", tf.float32,
+        "lowest_scale",
+        tf.float32,
         "the lowest scale a step reached since the last reset_lowest_scale()",
     ),
     StateVariable(
-        "calibration_steps", tf.int64,
+        "calibration_steps",
+        tf.int64,
         "overflowing steps before the first applied one, with a finite loss: a "
         "dynamic scale calibrating down from initial_scale",
     ),
@@ -157,13 +188,15 @@ LEGACY_NAMES = {
 
 def initial_values(settings: ScaleSettings) -> dict[str, Any]:
     values: dict[str, Any] = {spec.name: 0 for spec in STATE_VARIABLES}
-    values.update(scale=settings.initial_scale, hysteresis_left=settings.hysteresis,
-                  lowest_scale=settings.initial_scale)
+    values.update(
+        scale=settings.initial_scale, hysteresis_left=settings.hysteresis, lowest_scale=settings.initial_scale
+    )
     return values
 
 
-def transition(settings: ScaleSettings, state: dict[str, tf.Tensor], flags: tf.Tensor,
-               applied: tf.Tensor) -> dict[str, tf.Tensor]:
+def transition(
+    settings: ScaleSettings, state: dict[str, tf.Tensor], flags: tf.Tensor, applied: tf.Tensor
+) -> dict[str, tf.Tensor]:
     """The state after one step (see the module's docstring): `state` holds
     the variables' values before it, `flags` the step's non-finite flags
     (per variable, then the loss; all-reduced), `applied` the decision.
@@ -173,24 +206,33 @@ def transition(settings: ScaleSettings, state: dict[str, tf.Tensor], flags: tf.T
     one = tf.constant(1, tf.int64)
     loss_diverged = tf.not_equal(flags[-1], 0)
     scale = state["scale"]
-    scale = tf.where(tf.logical_and(tf.math.is_finite(scale), scale > 0.0), scale,
-                     tf.constant(settings.initial_scale, tf.float32))
+    scale = tf.where(
+        tf.logical_and(tf.math.is_finite(scale), scale > 0.0),
+        scale,
+        tf.constant(settings.initial_scale, tf.float32),
+    )
 
     good = state["good_steps"] + 1
     grow = tf.logical_and(applied, good >= settings.growth_interval)
     spent = tf.maximum(state["hysteresis_left"] - 1, 0)
     back_off = tf.logical_and(tf.logical_not(applied), spent <= 0)
-    new_scale = tf.where(grow, tf.minimum(scale * settings.growth_factor, settings.max_scale),
-                         tf.where(back_off, tf.maximum(scale * settings.backoff_factor, settings.min_scale),
-                                  scale))
-    divergent = tf.logical_or(loss_diverged,
-                              tf.logical_and(tf.logical_not(applied), scale <= settings.min_scale))
+    new_scale = tf.where(
+        grow,
+        tf.minimum(scale * settings.growth_factor, settings.max_scale),
+        tf.where(back_off, tf.maximum(scale * settings.backoff_factor, settings.min_scale), scale),
+    )
+    divergent = tf.logical_or(
+        loss_diverged, tf.logical_and(tf.logical_not(applied), scale <= settings.min_scale)
+    )
     run = tf.where(divergent, state["divergent_run"] + 1, zero)
     new = {
         "scale": new_scale,
         "good_steps": tf.where(applied, tf.where(grow, zero, good), zero),
-        "hysteresis_left": tf.where(applied, tf.where(grow, tf.constant(settings.hysteresis, tf.int64),
-                                                      state["hysteresis_left"]), spent),
+        "hysteresis_left": tf.where(
+            applied,
+            tf.where(grow, tf.constant(settings.hysteresis, tf.int64), state["hysteresis_left"]),
+            spent,
+        ),
         "step_count": state["step_count"] + one,
         "skipped_steps": state["skipped_steps"] + tf.where(applied, zero, one),
         "nonfinite_loss_steps": state["nonfinite_loss_steps"] + tf.cast(loss_diverged, tf.int64),
@@ -219,8 +261,12 @@ def _valid_counter(value: np.ndarray) -> bool:
     if np.issubdtype(value.dtype, np.integer):
         return bool(np.all(value >= 0))
     if np.issubdtype(value.dtype, np.floating):
-        return bool(np.all(np.isfinite(value)) and np.all(value >= 0)
-                    and np.all(value < 2.0**63) and np.all(np.floor(value) == value))
+        return bool(
+            np.all(np.isfinite(value))
+            and np.all(value >= 0)
+            and np.all(value < 2.0**63)
+            and np.all(np.floor(value) == value)
+        )
     return False
 
 

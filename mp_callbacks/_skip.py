@@ -20,7 +20,8 @@ and each `restore_on_skip` pair is assigned back. Three mechanisms keep it:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from mp_callbacks._backend import tf
 from mp_callbacks._gated_update import gated_apply
@@ -76,24 +77,30 @@ def apply_or_skip(
         mechanism = "cross_replica" if _needs_merge_call() else "gated"
     if mechanism == "gated":
         if not tf.distribute.has_strategy() and gated_apply(
-            optimizer, lambda: _apply(optimizer, grads, variables), decision,
-            forward_done=forward_done, restore_on_skip=restore_on_skip,
+            optimizer,
+            lambda: _apply(optimizer, grads, variables),
+            decision,
+            forward_done=forward_done,
+            restore_on_skip=restore_on_skip,
         ):
             return "gated"
         mechanism = "cond"
     if mechanism == "cond":
-        tf.cond(decision, lambda: _apply(optimizer, grads, variables),
-                lambda: _assign(restore_variables, restore_values))
+        tf.cond(
+            decision,
+            lambda: _apply(optimizer, grads, variables),
+            lambda: _assign(restore_variables, restore_values),
+        )
         return "cond"
 
     def decide(distribution: Any, decision: Any, grads: Any, restore_values: Any) -> None:
         decision = distribution.experimental_local_results(decision)[0]
         tf.cond(
             decision,
+            lambda: distribution.extended.call_for_each_replica(_apply, args=(optimizer, grads, variables)),
             lambda: distribution.extended.call_for_each_replica(
-                _apply, args=(optimizer, grads, variables)),
-            lambda: distribution.extended.call_for_each_replica(
-                _assign, args=(restore_variables, restore_values)),
+                _assign, args=(restore_variables, restore_values)
+            ),
         )
 
     tf.distribute.get_replica_context().merge_call(decide, args=(decision, grads, restore_values))
@@ -111,7 +118,10 @@ def restore_if_skipped(applied: tf.Tensor, pairs: Sequence[tuple[Any, Any]]) -> 
 
     def restore(distribution: Any, applied: Any, values: Any) -> None:
         applied = distribution.experimental_local_results(applied)[0]
-        tf.cond(applied, lambda: None,
-                lambda: distribution.extended.call_for_each_replica(_assign, args=(variables, values)))
+        tf.cond(
+            applied,
+            lambda: None,
+            lambda: distribution.extended.call_for_each_replica(_assign, args=(variables, values)),
+        )
 
     tf.distribute.get_replica_context().merge_call(restore, args=(applied, values))

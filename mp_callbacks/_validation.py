@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -34,7 +35,7 @@ FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 INT64_MAX = int(np.iinfo(np.int64).max)
 
 
-def fail(owner: str, argument: str, value: Any, requirement: str, error: type = ValueError) -> None:
+def fail(owner: str, argument: str, value: Any, requirement: str, error: type = ValueError) -> NoReturn:
     raise error(f"{owner}: `{argument}` must be {requirement}; received {argument}={value!r}.")
 
 

@@ -17,17 +17,23 @@ the plan.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from mp_callbacks._backend import keras
-from mp_callbacks._candidate import CandidateSpec, LocalCandidate, ProcessCandidate, build_model, load_function
+from mp_callbacks._candidate import (
+    CandidateSpec,
+    LocalCandidate,
+    ProcessCandidate,
+    build_model,
+    load_function,
+)
 from mp_callbacks._validation import check_int, check_real, fail
 from mp_callbacks.hardware import POLICIES, inspect_hardware
 from mp_callbacks.layer_selection import select_float32_layers
@@ -46,7 +52,7 @@ _WARMUP_STEPS = 2
 
 
 def _importable_target(build: Callable[..., Any]) -> str | None:
-    """"module:function" (or "script.py:function" for a script's own
+    """ "module:function" (or "script.py:function" for a script's own
     function) when a fresh process can import `build` itself."""
     module, qualname = getattr(build, "__module__", None), getattr(build, "__qualname__", "")
     if not module or "." in qualname or "<" in qualname:
@@ -131,8 +137,12 @@ def choose_plan(candidates: list[dict[str, Any]], tolerance: float, forced: bool
             candidate.update(speedup=1.0, speedup_range=None, speed="baseline")
         else:
             comparison = SpeedComparison(candidate.get("ratios", []))
-            candidate.update(speedup=comparison.median, speedup_range=comparison.quartiles,
-                             speed=comparison.verdict, speed_text=comparison.describe())
+            candidate.update(
+                speedup=comparison.median,
+                speedup_range=comparison.quartiles,
+                speed=comparison.verdict,
+                speed_text=comparison.describe(),
+            )
         if not candidate.get("listed", True):
             candidate["verdict"] = "reference"
             continue
@@ -141,14 +151,21 @@ def choose_plan(candidates: list[dict[str, Any]], tolerance: float, forced: bool
             problems.append("diverged")
         metric = candidate["metric"]
         if candidate is not reference and metric is not None and reference_metric is not None:
-            shortfall = (reference_metric - metric) if higher_is_better else (
-                (metric - reference_metric) / max(abs(reference_metric), 1e-12))
+            shortfall = (
+                (reference_metric - metric)
+                if higher_is_better
+                else ((metric - reference_metric) / max(abs(reference_metric), 1e-12))
+            )
             if shortfall > tolerance:
-                problems.append(f"validation {metric_name} {metric:.4g} against float32's "
-                                f"{reference_metric:.4g}, beyond the tolerance {tolerance:g}")
+                problems.append(
+                    f"validation {metric_name} {metric:.4g} against float32's "
+                    f"{reference_metric:.4g}, beyond the tolerance {tolerance:g}"
+                )
         if candidate is not reference and not forced and candidate["speed"] != "faster":
-            problems.append(f"not clearly faster than float32: {candidate['speed_text']} "
-                            f"({'slower' if candidate['speed'] == 'slower' else 'a tie'})")
+            problems.append(
+                f"not clearly faster than float32: {candidate['speed_text']} "
+                f"({'slower' if candidate['speed'] == 'slower' else 'a tie'})"
+            )
         candidate["verdict"] = "; ".join(problems) if problems else "passes"
         if not problems:
             passing.append(candidate)
@@ -157,23 +174,29 @@ def choose_plan(candidates: list[dict[str, Any]], tolerance: float, forced: bool
         if chosen is None:
             listed = [c for c in candidates if c.get("listed", True)]
             chosen = listed[0]
-            reasons.append(f"no listed candidate passed the proof; {chosen['policy']} is the "
-                           "first listed: " + "; ".join(f"{c['policy']}: {c['verdict']}" for c in listed))
+            reasons.append(
+                f"no listed candidate passed the proof; {chosen['policy']} is the "
+                "first listed: " + "; ".join(f"{c['policy']}: {c['verdict']}" for c in listed)
+            )
     else:
         faster = [c for c in passing if c is not reference]
         chosen = max(faster, key=lambda c: c["speedup"]) if faster else reference
         if chosen is reference:
             objections = [f"{c['policy']}: {c['verdict']}" for c in candidates[1:] if c.get("listed", True)]
-            reasons.append("float32: " + ("; ".join(objections) if objections
-                                          else "no mixed policy to try on this machine") + ".")
+            reasons.append(
+                "float32: "
+                + ("; ".join(objections) if objections else "no mixed policy to try on this machine")
+                + "."
+            )
     for candidate in candidates:
         if candidate is chosen:
             candidate["verdict"] = "chosen"
     if chosen is not reference:
         text = f"{chosen['policy']}: {chosen.get('speed_text', '')} float32's speed"
         if chosen.get("metric") is not None and reference_metric is not None:
-            text += (f"; validation {metric_name} {chosen['metric']:.4g} against float32's "
-                     f"{reference_metric:.4g}")
+            text += (
+                f"; validation {metric_name} {chosen['metric']:.4g} against float32's {reference_metric:.4g}"
+            )
         text += f"; {chosen.get('skipped_steps', 0)} skipped steps, no divergence."
         reasons.append(text)
     return chosen["policy"], reasons
@@ -252,7 +275,7 @@ def autotune(
     batch_size = check_int(_OWNER, "batch_size", batch_size, low=1) if batch_size is not None else 32
     seed = check_int(_OWNER, "seed", seed, low=0)
     forced = policies is not None
-    if forced:
+    if policies is not None:
         if isinstance(policies, str) or not list(policies):
             fail(_OWNER, "policies", policies, f"None or a non-empty list from {', '.join(POLICIES)}")
         unknown = [p for p in policies if p not in POLICIES]
@@ -262,8 +285,13 @@ def autotune(
     if in_subprocess is None:
         in_subprocess = target is not None
     if in_subprocess and target is None:
-        fail(_OWNER, "build", build, "importable in a fresh process for in_subprocess=True "
-             "(a function at the top of a module, 'module:function' or 'file.py:function')")
+        fail(
+            _OWNER,
+            "build",
+            build,
+            "importable in a fresh process for in_subprocess=True "
+            "(a function at the top of a module, 'module:function' or 'file.py:function')",
+        )
     x_train, y_train, x_val, y_val = _split(x, y, validation_data)
     if len(x_train) < batch_size:
         fail(_OWNER, "x", f"{len(x_train)} training samples", f"at least batch_size ({batch_size}) samples")
@@ -275,14 +303,16 @@ def autotune(
         reference_model.evaluate(x_train[:2], y_train[:2], verbose=0)
     except Exception as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        raise ValueError(f"{_OWNER}: the model does not train on the data (x of shape "
-                         f"{x_train.shape}, y of shape {np.shape(y_train)}): {type(error).__name__}: "
-                         f"{first}") from error
+        raise ValueError(
+            f"{_OWNER}: the model does not train on the data (x of shape "
+            f"{x_train.shape}, y of shape {np.shape(y_train)}): {type(error).__name__}: "
+            f"{first}"
+        ) from error
     weights = reference_model.get_weights()
 
     if hardware is None:
         hardware = inspect_hardware(measure=not forced)
-    if forced:
+    if policies is not None:
         candidate_policies = list(dict.fromkeys(policies))
         notes = []
     else:
@@ -294,11 +324,18 @@ def autotune(
 
     n_diagnosis = min(_DIAGNOSIS_BATCH_SIZE, batch_size)
     diagnosis_batches = [
-        (x_train[i:i + n_diagnosis], y_train[i:i + n_diagnosis])
+        (x_train[i : i + n_diagnosis], y_train[i : i + n_diagnosis])
         for i in range(0, min(len(x_train), _DIAGNOSIS_BATCHES * n_diagnosis), n_diagnosis)
     ]
-    evidence: list[dict[str, Any]] = [{"policy": "float32", "listed": "float32" in candidate_policies,
-                                       "float32_layers": [], "reasons": {}, "initial_scale": None}]
+    evidence: list[dict[str, Any]] = [
+        {
+            "policy": "float32",
+            "listed": "float32" in candidate_policies,
+            "float32_layers": [],
+            "reasons": {},
+            "initial_scale": None,
+        }
+    ]
     for policy in candidate_policies:
         if policy == "float32":
             continue
@@ -308,25 +345,55 @@ def autotune(
         model.set_weights(weights)
         selection = select_float32_layers(model, diagnosis_batches)
         layer_dtypes = _layer_dtypes(model, policy, selection.layers)
-        evidence.append({
-            "policy": policy, "listed": True, "float32_layers": selection.layers,
-            "reasons": selection.reasons, "dropped": selection.dropped,
-            "initial_scale": selection.initial_scale, "layer_dtypes": layer_dtypes,
-            "notes": selection.notes, "selection_seconds": time.monotonic() - began,
-        })
-        logger.info("autotune: %s: %s [%.1f s]", policy, (
-            f"{len(selection.layers)} layer(s) to compute in float32: " + "; ".join(
-                f"{n} ({why})" for n, why in selection.reasons.items())
-            if selection.layers else "no layer needs float32"), time.monotonic() - began)
+        evidence.append(
+            {
+                "policy": policy,
+                "listed": True,
+                "float32_layers": selection.layers,
+                "reasons": selection.reasons,
+                "dropped": selection.dropped,
+                "initial_scale": selection.initial_scale,
+                "layer_dtypes": layer_dtypes,
+                "notes": selection.notes,
+                "selection_seconds": time.monotonic() - began,
+            }
+        )
+        logger.info(
+            "autotune: %s: %s [%.1f s]",
+            policy,
+            (
+                f"{len(selection.layers)} layer(s) to compute in float32: "
+                + "; ".join(f"{n} ({why})" for n, why in selection.reasons.items())
+                if selection.layers
+                else "no layer needs float32"
+            ),
+            time.monotonic() - began,
+        )
 
-    interrupted = _prove(evidence, build_function, target, list(build_args), weights,
-                         (x_train, y_train, x_val, y_val), batch_size, seed, steps, time_budget,
-                         in_subprocess, started)
+    interrupted = _prove(
+        evidence,
+        build_function,
+        target,
+        list(build_args),
+        weights,
+        (x_train, y_train, x_val, y_val),
+        batch_size,
+        seed,
+        steps,
+        time_budget,
+        in_subprocess,
+        started,
+    )
     if interrupted:
         for candidate in evidence:
             candidate.setdefault("metrics", None)
-        policy, reasons = "float32", ["interrupted before the proof finished: float32, since no "
-                                      "plan was proven (the speeds measured so far are below)."]
+        policy, reasons = (
+            "float32",
+            [
+                "interrupted before the proof finished: float32, since no "
+                "plan was proven (the speeds measured so far are below)."
+            ],
+        )
         choose_plan(evidence, tolerance, forced)
         for candidate in evidence:
             candidate["verdict"] = "interrupted"
@@ -335,8 +402,10 @@ def autotune(
     chosen = next(c for c in evidence if c["policy"] == policy)
     device = hardware.device_summary() if hardware is not None else ""
     if forced and "float32" not in candidate_policies and policy != "float32":
-        reasons.append(f"speed against float32, measured on {device}: {chosen.get('speed_text', 'n/a')} "
-                       "(the candidates were listed, so it does not override the choice).")
+        reasons.append(
+            f"speed against float32, measured on {device}: {chosen.get('speed_text', 'n/a')} "
+            "(the candidates were listed, so it does not override the choice)."
+        )
     reasons += notes
     plan = PrecisionPlan(
         policy=policy,
@@ -359,13 +428,19 @@ def _resolve_build(build: Any) -> tuple[str | None, Callable[..., Any]]:
         try:
             return build, load_function(build)
         except Exception as error:
-            raise ValueError(f"{_OWNER}: cannot import build={build!r}: {type(error).__name__}: "
-                             f"{error}") from error
+            raise ValueError(
+                f"{_OWNER}: cannot import build={build!r}: {type(error).__name__}: {error}"
+            ) from error
     if isinstance(build, keras.Model):
         return None, _model_cloner(build)
     if not callable(build):
-        fail(_OWNER, "build", build, "a function returning a Keras model, 'module:function', "
-             "or a model", TypeError)
+        fail(
+            _OWNER,
+            "build",
+            build,
+            "a function returning a Keras model, 'module:function', or a model",
+            TypeError,
+        )
     return _importable_target(build), build
 
 
@@ -377,8 +452,9 @@ def _split(x: Any, y: Any, validation_data: Any) -> tuple[np.ndarray, ...]:
         fail(_OWNER, "y", f"{len(y)} samples", f"as many samples as x ({len(x)})")
     if validation_data is not None:
         if not isinstance(validation_data, (tuple, list)) or len(validation_data) != 2:
-            fail(_OWNER, "validation_data", type(validation_data).__name__, "an (x_val, y_val) pair",
-                 TypeError)
+            fail(
+                _OWNER, "validation_data", type(validation_data).__name__, "an (x_val, y_val) pair", TypeError
+            )
         return x, y, np.asarray(validation_data[0]), np.asarray(validation_data[1])
     cut = max(1, len(x) // 5)
     return x[:-cut], y[:-cut], x[-cut:], y[-cut:]
@@ -398,16 +474,45 @@ def _layer_dtypes(model: keras.Model, policy: str, pinned: list[str]) -> dict[st
 
 
 def _public(candidate: dict[str, Any]) -> dict[str, Any]:
-    keep = ("policy", "listed", "float32_layers", "reasons", "dropped", "initial_scale", "step_time",
-            "speedup", "speedup_range", "speed", "ratios", "metric_name", "metric", "metrics",
-            "skipped_steps", "divergent_steps", "steps", "verdict", "notes", "selection_seconds")
+    keep = (
+        "policy",
+        "listed",
+        "float32_layers",
+        "reasons",
+        "dropped",
+        "initial_scale",
+        "step_time",
+        "speedup",
+        "speedup_range",
+        "speed",
+        "ratios",
+        "metric_name",
+        "metric",
+        "metrics",
+        "skipped_steps",
+        "divergent_steps",
+        "steps",
+        "verdict",
+        "notes",
+        "selection_seconds",
+    )
     return {k: candidate[k] for k in keep if k in candidate}
 
 
-def _prove(evidence: list[dict[str, Any]], build: Callable[..., Any], target: str | None,
-           build_args: list[Any], weights: list[np.ndarray], data: tuple[np.ndarray, ...],
-           batch_size: int, seed: int, steps: int | None, time_budget: float | None,
-           in_subprocess: bool, started: float) -> bool:
+def _prove(
+    evidence: list[dict[str, Any]],
+    build: Callable[..., Any],
+    target: str | None,
+    build_args: list[Any],
+    weights: list[np.ndarray],
+    data: tuple[np.ndarray, ...],
+    batch_size: int,
+    seed: int,
+    steps: int | None,
+    time_budget: float | None,
+    in_subprocess: bool,
+    started: float,
+) -> bool:
     """Trains every candidate side by side and adds the timings and the
     validation results to `evidence`. Returns True if interrupted."""
     x_train, y_train, x_val, y_val = data
@@ -420,17 +525,25 @@ def _prove(evidence: list[dict[str, Any]], build: Callable[..., Any], target: st
         data_path = os.path.join(directory, "data.npz")
         weights_path = os.path.join(directory, "weights.npz")
         np.savez(data_path, x_train=x_train, y_train=y_train, x_val=x_val, y_val=y_val)
-        np.savez(weights_path, **{f"w{i}": w for i, w in enumerate(weights)})
+        np.savez(weights_path, *weights)  # arr_0, arr_1, ... in order
         try:
             for candidate in evidence:
                 spec = CandidateSpec(
-                    name=candidate["policy"], policy=candidate["policy"], target=target or "",
-                    args=build_args, float32_layers=candidate["float32_layers"],
-                    initial_scale=candidate["initial_scale"], weights=weights_path, data=data_path,
-                    batch_size=batch_size, seed=seed, sys_path=[p for p in sys.path if p],
+                    name=candidate["policy"],
+                    policy=candidate["policy"],
+                    target=target or "",
+                    args=build_args,
+                    float32_layers=candidate["float32_layers"],
+                    initial_scale=candidate["initial_scale"],
+                    weights=weights_path,
+                    data=data_path,
+                    batch_size=batch_size,
+                    seed=seed,
+                    sys_path=[p for p in sys.path if p],
                 )
-                workers[candidate["policy"]] = (ProcessCandidate(spec) if in_subprocess
-                                                else LocalCandidate(spec, build))
+                workers[candidate["policy"]] = (
+                    ProcessCandidate(spec) if in_subprocess else LocalCandidate(spec, build)
+                )
             for candidate in evidence:  # tracing and compiling, not timed
                 workers[candidate["policy"]].request({"cmd": "train", "steps": _WARMUP_STEPS})
             return _rounds(evidence, workers, chunk, max_rounds, time_budget, started)
@@ -439,8 +552,14 @@ def _prove(evidence: list[dict[str, Any]], build: Callable[..., Any], target: st
                 worker.close()
 
 
-def _rounds(evidence: list[dict[str, Any]], workers: dict[str, Any], chunk: int, max_rounds: int,
-            time_budget: float | None, started: float) -> bool:
+def _rounds(
+    evidence: list[dict[str, Any]],
+    workers: dict[str, Any],
+    chunk: int,
+    max_rounds: int,
+    time_budget: float | None,
+    started: float,
+) -> bool:
     times: dict[str, list[float]] = {c["policy"]: [] for c in evidence}
     proof_started = time.monotonic()
     interrupted = False
@@ -451,13 +570,19 @@ def _rounds(evidence: list[dict[str, Any]], workers: dict[str, Any], chunk: int,
             for candidate in evidence[shift:] + evidence[:shift]:
                 reply = workers[candidate["policy"]].request({"cmd": "train", "steps": chunk})
                 times[candidate["policy"]].append(reply["seconds"] / chunk)
-            comparisons = {c["policy"]: SpeedComparison(
-                [f / t for f, t in zip(times["float32"], times[c["policy"]])]) for c in evidence[1:]}
+            comparisons = {
+                c["policy"]: SpeedComparison([f / t for f, t in zip(times["float32"], times[c["policy"]])])
+                for c in evidence[1:]
+            }
             elapsed = time.monotonic() - proof_started
             left = elapsed / (round_index + 1) * (max_rounds - round_index - 1)
-            logger.info("autotune: round %d/%d: %s; at most %.0f s left", round_index + 1, max_rounds,
-                        ", ".join(f"{p} {c.describe()}" for p, c in comparisons.items()) or "float32",
-                        left)
+            logger.info(
+                "autotune: round %d/%d: %s; at most %.0f s left",
+                round_index + 1,
+                max_rounds,
+                ", ".join(f"{p} {c.describe()}" for p, c in comparisons.items()) or "float32",
+                left,
+            )
             if round_index + 1 >= _MIN_ROUNDS:
                 if all(c.decided for c in comparisons.values()):
                     break
@@ -474,8 +599,11 @@ def _rounds(evidence: list[dict[str, Any]], workers: dict[str, Any], chunk: int,
         return True
     for candidate in evidence:
         result = workers[candidate["policy"]].request({"cmd": "evaluate"})
-        candidate.update(metrics=result["metrics"], steps=result["steps"],
-                         skipped_steps=result["skipped_steps"],
-                         divergent_steps=result["divergent_steps"],
-                         weights_finite=result["weights_finite"])
+        candidate.update(
+            metrics=result["metrics"],
+            steps=result["steps"],
+            skipped_steps=result["skipped_steps"],
+            divergent_steps=result["divergent_steps"],
+            weights_finite=result["weights_finite"],
+        )
     return False

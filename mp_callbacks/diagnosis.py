@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -25,8 +26,13 @@ from mp_callbacks._backend import keras, tf
 from mp_callbacks._keras_internals import replaced_on_instance
 from mp_callbacks._loss_scale_source import LossScaleSource
 
-__all__ = ["OutputRange", "PrecisionReport", "diagnose_batch", "layer_output_ranges",
-           "FLOAT16_ADVICE_THRESHOLD"]
+__all__ = [
+    "FLOAT16_ADVICE_THRESHOLD",
+    "OutputRange",
+    "PrecisionReport",
+    "diagnose_batch",
+    "layer_output_ranges",
+]
 
 #: A float16 layer whose largest output uses more than this share of
 #: float16's range is advised to compute in float32.
@@ -117,41 +123,62 @@ class PrecisionReport:
     gradient_max: dict[str, float] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        header = ("layer", "dtype", "max |output|", "in float32", "range used", "grad underflow",
-                  "output", "gradient")
+        header = (
+            "layer",
+            "dtype",
+            "max |output|",
+            "in float32",
+            "range used",
+            "grad underflow",
+            "output",
+            "gradient",
+        )
         rows = []
         for record in self.layers:
-            rows.append((
-                record.name,
-                record.compute_dtype,
-                f"{record.activation_max:.4g}",
-                f"{self.reference_max[record.name]:.4g}" if record.name in self.reference_max else "-",
-                (f"{self.headroom[record.name]:.2%}" if math.isfinite(self.headroom[record.name])
-                 else "overflow" if record.name == self.first_nonfinite_layer else "inherited"),
-                "-" if record.underflow is None else f"{record.underflow:.1%}",
-                "ok" if record.output_finite else "NON-FINITE",
-                "-" if record.gradient_finite is None else ("ok" if record.gradient_finite else "NON-FINITE"),
-            ))
+            rows.append(
+                (
+                    record.name,
+                    record.compute_dtype,
+                    f"{record.activation_max:.4g}",
+                    f"{self.reference_max[record.name]:.4g}" if record.name in self.reference_max else "-",
+                    (
+                        f"{self.headroom[record.name]:.2%}"
+                        if math.isfinite(self.headroom[record.name])
+                        else "overflow"
+                        if record.name == self.first_nonfinite_layer
+                        else "inherited"
+                    ),
+                    "-" if record.underflow is None else f"{record.underflow:.1%}",
+                    "ok" if record.output_finite else "NON-FINITE",
+                    "-"
+                    if record.gradient_finite is None
+                    else ("ok" if record.gradient_finite else "NON-FINITE"),
+                )
+            )
         widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
-        lines = ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip()
-                 for row in [header] + rows]
+        lines = [
+            "  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header] + rows
+        ]
         lines.insert(1, "  ".join("-" * w for w in widths))
         loss_text = "n/a" if self.loss is None else f"{self.loss:.6g}"
         lines.append("")
         lines.append(f"loss: {loss_text} (loss scale {self.loss_scale:g})")
         lines.append(f"first non-finite output: {self.first_nonfinite_layer or 'none'}")
-        lines.append(f"first non-finite gradient (backward order): "
-                     f"{self.first_nonfinite_gradient_layer or 'none'}")
+        lines.append(
+            f"first non-finite gradient (backward order): {self.first_nonfinite_gradient_layer or 'none'}"
+        )
         if self.float32_layers:
-            lines.append("compute in float32: " + ", ".join(self.float32_layers)
-                         + "  (mp_callbacks.with_float32_layers(model, report.float32_layers))")
+            lines.append(
+                "compute in float32: "
+                + ", ".join(self.float32_layers)
+                + "  (mp_callbacks.with_float32_layers(model, report.float32_layers))"
+            )
         lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)
 
 
 def _floating_tensors(structure: Any) -> list[Any]:
-    return [t for t in tf.nest.flatten(structure)
-            if tf.is_tensor(t) and t.dtype.is_floating]
+    return [t for t in tf.nest.flatten(structure) if tf.is_tensor(t) and t.dtype.is_floating]
 
 
 def _all_finite(tensors: list[Any]) -> bool:
@@ -171,19 +198,23 @@ def _abs_max(tensors: list[Any]) -> float:
 
 
 def _own_trainable_weights(layer: Any) -> list[Any]:
-    children = {id(w) for child in layer._flatten_layers(include_self=False)
-                for w in child.trainable_weights}
+    children = {id(w) for child in layer._flatten_layers(include_self=False) for w in child.trainable_weights}
     return [w for w in layer.trainable_weights if id(w) not in children]
 
 
 def _inspected_layers(model: keras.Model) -> list[Any]:
-    return [layer for layer in model._flatten_layers(include_self=False, recursive=True)
-            if not isinstance(layer, keras.layers.InputLayer)]
+    return [
+        layer
+        for layer in model._flatten_layers(include_self=False, recursive=True)
+        if not isinstance(layer, keras.layers.InputLayer)
+    ]
 
 
 @contextlib.contextmanager
 def recording_layers(
-    model: keras.Model, tape: Any = None, arguments: list[tuple[Any, tuple, dict]] | None = None,
+    model: keras.Model,
+    tape: Any = None,
+    arguments: list[tuple[Any, tuple, dict]] | None = None,
 ) -> Iterator[list[tuple[Any, list[Any], list[Any]]]]:
     """While active, every call of one of `model`'s layers appends
     `(layer, floating inputs, floating outputs)` to the yielded list (in
@@ -273,8 +304,9 @@ def layer_output_ranges(model: keras.Model, x: Any) -> dict[str, OutputRange]:
         if previous is not None:
             value = value if not value <= previous.largest else previous.largest
             inputs_finite = inputs_finite and previous.inputs_finite
-        weights_finite = _all_finite([w.value for w in layer.weights
-                                      if "float" in keras.backend.standardize_dtype(w.dtype)])
+        weights_finite = _all_finite(
+            [w.value for w in layer.weights if "float" in keras.backend.standardize_dtype(w.dtype)]
+        )
         ranges[layer.name] = OutputRange(dtype, value, inputs_finite, weights_finite)
     return ranges
 
@@ -348,8 +380,7 @@ def diagnose_batch(
         with recording_layers(model, tape) as records, tape:
             y_pred = model(x, training=True)
             if y is not None and getattr(model, "compiled", False):
-                loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                                          training=True)
+                loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
                 scaled_loss = tf.cast(loss, tf.float32) * tf.constant(loss_scale, tf.float32)
     finally:
         for variable, value in zip(forward_state, saved_state):
@@ -376,11 +407,14 @@ def diagnose_batch(
         )
 
     if loss is None:
-        notes.append("no loss was computed (pass y and compile the model): backward "
-                      "origin and underflow are not reported.")
+        notes.append(
+            "no loss was computed (pass y and compile the model): backward "
+            "origin and underflow are not reported."
+        )
     else:
         # Every layer's inputs, own weights and outputs, in one backward pass.
-        spans, targets = [], []
+        spans: list[tuple[Any, int, int, int]] = []
+        targets: list[Any] = []
         for layer in order:
             ins = [t for inputs, _ in calls[id(layer)] for t in inputs] + _own_trainable_weights(layer)
             outs = [t for _, outputs in calls[id(layer)] for t in outputs]
@@ -388,30 +422,37 @@ def diagnose_batch(
             targets += ins + outs
         gradients = tape.gradient(scaled_loss, targets) if targets else []
         for layer, start, n_in, n_out in spans:
-            grads = [g for g in gradients[start:start + n_in] if g is not None]
+            grads = [g for g in gradients[start : start + n_in] if g is not None]
             grads = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
             record = layer_records[layer.name]
             record.gradient_finite = _all_finite(grads) if grads else True
-            out_grads = [g for g in gradients[start + n_in:start + n_in + n_out] if g is not None]
+            out_grads = [g for g in gradients[start + n_in : start + n_in + n_out] if g is not None]
             if grads or out_grads:
                 record.gradient_max = _abs_max(grads + out_grads) / float(loss_scale)
             if out_grads:
                 tiny = dtype_tiny(out_grads[0].dtype)
                 total = sum(int(tf.size(g)) for g in out_grads)
-                small = sum(int(tf.reduce_sum(tf.cast(tf.abs(tf.cast(g, tf.float32)) <= tiny, tf.int64)))
-                            for g in out_grads)
+                small = sum(
+                    int(tf.reduce_sum(tf.cast(tf.abs(tf.cast(g, tf.float32)) <= tiny, tf.int64)))
+                    for g in out_grads
+                )
                 record.underflow = small / total if total else 0.0
     del tape
 
     ordered = [layer_records[layer.name] for layer in order]
     activation_max = {r.name: r.activation_max for r in ordered}
-    headroom = {r.name: (r.activation_max / dtype_max(r.compute_dtype)
-                         if math.isfinite(r.activation_max) else math.inf) for r in ordered}
+    headroom = {
+        r.name: (
+            r.activation_max / dtype_max(r.compute_dtype) if math.isfinite(r.activation_max) else math.inf
+        )
+        for r in ordered
+    }
     underflow = {r.name: r.underflow for r in ordered if r.underflow is not None}
     first_forward = next((r.name for r in ordered if not r.output_finite), None)
     first_backward = next((r.name for r in reversed(ordered) if r.gradient_finite is False), None)
     loss_value = None if loss is None else float(loss)
     loss_finite = loss_value is None or math.isfinite(loss_value)
+    origin: str | None
     if not loss_finite:
         origin = first_forward or "loss"
     else:
@@ -427,8 +468,7 @@ def diagnose_batch(
     for record in ordered:
         true_in, true_out = reference.get(record.name, (0.0, record.activation_max))
         near_overflow = record.compute_dtype == "float16" and (
-            max(true_in, true_out) > limit
-            or FLOAT16_ADVICE_THRESHOLD < headroom[record.name] < math.inf
+            max(true_in, true_out) > limit or FLOAT16_ADVICE_THRESHOLD < headroom[record.name] < math.inf
         )
         if (record.name == origin and record.name in low_precision) or near_overflow:
             advice.append(record.name)

@@ -8,7 +8,6 @@ import statistics
 import time
 from typing import Any
 
-from mp_callbacks._backend import keras
 from mp_callbacks._callback_support import MixedPrecisionCallback
 from mp_callbacks._loss_scale_source import read_variable
 from mp_callbacks._validation import check_bool, check_int
@@ -66,8 +65,9 @@ class EpochTimer(MixedPrecisionCallback):
     def __init__(self, time_validation: bool = False, batch_size: int | None = None) -> None:
         super().__init__()
         if batch_size is not None:
-            batch_size = check_int("EpochTimer", "batch_size", batch_size, low=1,
-                                   requirement="None or an integer >= 1")
+            batch_size = check_int(
+                "EpochTimer", "batch_size", batch_size, low=1, requirement="None or an integer >= 1"
+            )
         self.time_validation = check_bool("EpochTimer", "time_validation", time_validation)
         self.batch_size = batch_size
         self.records: list[dict[str, Any]] = []
@@ -147,9 +147,12 @@ class EpochTimer(MixedPrecisionCallback):
             logger.info(
                 "EpochTimer: %d epoch(s) in %.2f s; first epoch (tracing included) %.2f s; "
                 "median warm epoch %.2f s (%s samples/s).",
-                summary["epochs"], summary["total_time"], summary["first_epoch_time"],
+                summary["epochs"],
+                summary["total_time"],
+                summary["first_epoch_time"],
                 summary["median_epoch_time"],
-                "n/a" if summary["median_samples_per_sec"] is None
+                "n/a"
+                if summary["median_samples_per_sec"] is None
                 else f"{summary['median_samples_per_sec']:.0f}",
             )
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from mp_callbacks._backend import keras
 from mp_callbacks._validation import fail
@@ -56,16 +57,25 @@ def with_float32_layers(model: keras.Model, names: Iterable[str]) -> keras.Model
         except (AttributeError, ValueError):
             functional = False
     if not functional:
-        fail("with_float32_layers", "model", model.name,
-             "a functional or Sequential model (subclassed models define their layers in "
-             "code: set dtype='float32' on those layers there)")
+        fail(
+            "with_float32_layers",
+            "model",
+            model.name,
+            "a functional or Sequential model (subclassed models define their layers in "
+            "code: set dtype='float32' on those layers there)",
+        )
     config = copy.deepcopy(model.get_config())
-    by_name = {layer_config.get("config", {}).get("name"): layer_config
-               for layer_config in _layer_configs(config)}
+    by_name = {
+        layer_config.get("config", {}).get("name"): layer_config for layer_config in _layer_configs(config)
+    }
     unknown = [name for name in names if name not in by_name]
     if unknown:
-        fail("with_float32_layers", "names", unknown,
-             f"names of the model's layers ({', '.join(n for n in by_name if n)})")
+        fail(
+            "with_float32_layers",
+            "names",
+            unknown,
+            f"names of the model's layers ({', '.join(n for n in by_name if n)})",
+        )
     for name in names:
         by_name[name]["config"]["dtype"] = "float32"
     clone = type(model).from_config(config)
@@ -105,9 +115,13 @@ def float32_copy(model: keras.Model) -> keras.Model:
     ```
     """
     if not (isinstance(model, keras.Sequential) or hasattr(model, "_run_through_graph")):
-        fail("float32_copy", "model", model.name,
-             "a functional or Sequential model (a subclassed model: build it again under "
-             "the float32 policy and copy the weights with set_weights)")
+        fail(
+            "float32_copy",
+            "model",
+            model.name,
+            "a functional or Sequential model (a subclassed model: build it again under "
+            "the float32 policy and copy the weights with set_weights)",
+        )
     config = copy.deepcopy(model.get_config())
     config.pop("loss_scale", None)
     float32 = keras.dtype_policies.serialize(keras.dtype_policies.get("float32"))

@@ -16,26 +16,26 @@ passed in, so the advice for any machine can be tested on any other.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import statistics
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from mp_callbacks._backend import keras, tf
 from mp_callbacks._cpu_features import CpuInfo, read_cpu_info
 
 __all__ = [
+    "MIN_SPEEDUP",
+    "PATHOLOGICAL_SPEED",
+    "POLICIES",
     "GPUInfo",
     "HardwareReport",
     "PolicySpeed",
     "inspect_hardware",
     "measure_policy_speed",
     "recommend_policy",
-    "POLICIES",
-    "MIN_SPEEDUP",
-    "PATHOLOGICAL_SPEED",
 ]
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
@@ -148,12 +148,13 @@ class HardwareReport:
 
     def slow_policies(self) -> dict[str, str]:
         """Policies the probe found pathologically slow, with the reason."""
-        if self.measured is None:
+        if self.measured is None or self.speed is None:
             return {}
+        device = self.speed.device or "this device"
         return {
             policy: (
                 f"measured {_ratio_text(ratio, self.speed, policy)} of float32's speed "
-                f"in the probe on {self.speed.device or 'this device'}"
+                f"in the probe on {device}"
             )
             for policy, ratio in self.measured.items()
             if policy != "float32" and ratio < PATHOLOGICAL_SPEED
@@ -162,8 +163,7 @@ class HardwareReport:
     def device_summary(self) -> str:
         if self.gpus:
             return ", ".join(
-                f"{g.name} (compute capability {g.as_dict()['compute_capability']})"
-                for g in self.gpus
+                f"{g.name} (compute capability {g.as_dict()['compute_capability']})" for g in self.gpus
             )
         features = sorted(self.cpu.features)
         return f"CPU {self.cpu.model}" + (f" [{', '.join(features)}]" if features else "")
@@ -181,7 +181,9 @@ class HardwareReport:
             "expected_fast_policies": self.expected_fast_policies,
             "fast_policies": self.fast_policies,
             "measured": None if self.speed is None else dict(self.speed.ratios),
-            "probe": None if self.speed is None else {
+            "probe": None
+            if self.speed is None
+            else {
                 "seconds": round(self.speed.seconds, 2),
                 "device": self.speed.device,
                 "upper_bounds": list(self.speed.bounded),
@@ -286,10 +288,7 @@ def measure_policy_speed(
     start = time.perf_counter()
     steps = {policy: _probe_step(_COMPUTE_DTYPE[policy]) for policy in policies}
     first_call = {policy: _timed(steps[policy]) for policy in policies}
-    bounded = [
-        p for p in policies
-        if p != "float32" and first_call[p] > max(0.5, 20 * first_call["float32"])
-    ]
+    bounded = [p for p in policies if p != "float32" and first_call[p] > max(0.5, 20 * first_call["float32"])]
     timed = [p for p in policies if p not in bounded]
     round_times: dict[str, list[float]] = {p: [] for p in timed}
     for round_index in range(rounds):
@@ -352,9 +351,7 @@ def _advise(report: HardwareReport) -> None:
     """Fills in the recommendation, its reason and the warnings: the rules
     alone when nothing was measured, else the rules checked against the
     measurement (the measurement wins)."""
-    rules_policy, rules_reason = (
-        _gpu_rules_reason(report) if report.gpus else _cpu_rules_reason(report)
-    )
+    rules_policy, rules_reason = _gpu_rules_reason(report) if report.gpus else _cpu_rules_reason(report)
     report.warnings = []
     measured = report.measured
     if measured is None:
@@ -367,6 +364,7 @@ def _advise(report: HardwareReport) -> None:
 
 def _advise_from_measurement(report: HardwareReport, rules_policy: str) -> None:
     measured = report.measured
+    assert measured is not None  # called with a measurement only
     speed = report.speed
     fast = report.fast_policies
     expected = report.expected_fast_policies
@@ -381,22 +379,25 @@ def _advise_from_measurement(report: HardwareReport, rules_policy: str) -> None:
         )
         if expected:
             report.reason += (
-                f" The hardware suggests {' and '.join(expected)}, but it did not run "
-                "faster here."
+                f" The hardware suggests {' and '.join(expected)}, but it did not run faster here."
             )
         return
     best = max(fast, key=lambda p: measured[p])
     # On GPUs with fast bfloat16, prefer it over a float16 that is only a
     # little faster: bfloat16 needs no loss scaling.
-    if (best == "mixed_float16" and "mixed_bfloat16" in fast
-            and measured["mixed_bfloat16"] >= 0.9 * measured["mixed_float16"]):
+    if (
+        best == "mixed_float16"
+        and "mixed_bfloat16" in fast
+        and measured["mixed_bfloat16"] >= 0.9 * measured["mixed_float16"]
+    ):
         best = "mixed_bfloat16"
     report.recommended_policy = best
     report.reason = f"{best} ran at {measured[best]:.2f}x float32's speed in the probe ({measured_text})."
     if best in expected:
-        report.reason += " As the hardware suggests: " + (
-            _gpu_rules_reason(report) if report.gpus else _cpu_rules_reason(report)
-        )[1]
+        report.reason += (
+            " As the hardware suggests: "
+            + (_gpu_rules_reason(report) if report.gpus else _cpu_rules_reason(report))[1]
+        )
     elif report.cpu.known or report.gpus:
         report.reason += " The hardware rules did not predict this; the measurement decides."
 
@@ -435,8 +436,7 @@ def _add_warnings(report: HardwareReport) -> None:
             )
         if not report.cuda_build:
             report.warnings.append(
-                "This TensorFlow build has no CUDA support; install mp_callbacks[gpu] "
-                "(tensorflow[and-cuda])."
+                "This TensorFlow build has no CUDA support; install mp_callbacks[gpu] (tensorflow[and-cuda])."
             )
 
 

@@ -25,8 +25,11 @@ _LIMITED_RANGE = ("float16",)
 
 
 def _sub_models(model: keras.Model) -> list[str]:
-    return sorted(name for name, value in vars(model).items()
-                  if isinstance(value, keras.Model) and not name.startswith("_"))
+    return sorted(
+        name
+        for name, value in vars(model).items()
+        if isinstance(value, keras.Model) and not name.startswith("_")
+    )
 
 
 def _has_call(model: Any) -> bool:
@@ -101,14 +104,21 @@ class HeadroomMonitor(MixedPrecisionCallback):
             raise TypeError(f"{owner}: `probe` must be a batch of model inputs; received probe=None.")
         self.probe = probe
         self.every_n_steps = check_int(owner, "every_n_steps", every_n_steps, low=1)
-        self.warn_above = check_real(owner, "warn_above", warn_above, low=0.0, high=1.0,
-                                     low_inclusive=False, requirement="a number in (0, 1]")
+        self.warn_above = check_real(
+            owner,
+            "warn_above",
+            warn_above,
+            low=0.0,
+            high=1.0,
+            low_inclusive=False,
+            requirement="a number in (0, 1]",
+        )
         if layers is not None and (isinstance(layers, str) or not all(isinstance(n, str) for n in layers)):
-            raise TypeError(f"{owner}: `layers` must be None or a list of layer names; "
-                            f"received layers={layers!r}.")
+            raise TypeError(
+                f"{owner}: `layers` must be None or a list of layer names; received layers={layers!r}."
+            )
         if target is not None and not isinstance(target, (str, keras.Model)):
-            fail(owner, "target", target, "None, an attribute name of the model, or a Keras model",
-                 TypeError)
+            fail(owner, "target", target, "None, an attribute name of the model, or a Keras model", TypeError)
         self.layers = list(layers) if layers is not None else None
         self.target = target
         self.history: list[dict[str, Any]] = []
@@ -119,8 +129,13 @@ class HeadroomMonitor(MixedPrecisionCallback):
         self._probed_model: Any = None
 
     def get_config(self) -> dict[str, Any]:
-        return {"probe": self.probe, "every_n_steps": self.every_n_steps,
-                "warn_above": self.warn_above, "layers": self.layers, "target": self.target}
+        return {
+            "probe": self.probe,
+            "every_n_steps": self.every_n_steps,
+            "warn_above": self.warn_above,
+            "layers": self.layers,
+            "target": self.target,
+        }
 
     def on_train_begin(self, logs=None):
         self.history = []
@@ -151,9 +166,13 @@ class HeadroomMonitor(MixedPrecisionCallback):
         if isinstance(target, str):
             resolved = getattr(self.model, target, None)
             if not isinstance(resolved, keras.Model):
-                fail("HeadroomMonitor", "target", target,
-                     f"the name of a model attribute of {self.model.name!r} "
-                     f"(it has: {', '.join(map(repr, _sub_models(self.model))) or 'none'})")
+                fail(
+                    "HeadroomMonitor",
+                    "target",
+                    target,
+                    f"the name of a model attribute of {self.model.name!r} "
+                    f"(it has: {', '.join(map(repr, _sub_models(self.model))) or 'none'})",
+                )
             target = resolved
         target = target if target is not None else self.model
         if _has_call(target):
@@ -172,8 +191,9 @@ class HeadroomMonitor(MixedPrecisionCallback):
     def _probe(self) -> None:
         if self._probed_model is None:
             return
-        ranges = _leaving_state_as_it_was(self._probed_model,
-                                          lambda: layer_output_ranges(self._probed_model, self.probe))
+        ranges = _leaving_state_as_it_was(
+            self._probed_model, lambda: layer_output_ranges(self._probed_model, self.probe)
+        )
         shares: dict[str, float] = {}
         for name, measured in ranges.items():
             if self.layers is not None:

@@ -23,21 +23,21 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 from mp_callbacks._backend import keras, tf
 from mp_callbacks._keras_internals import seed_generators_of
 from mp_callbacks.diagnosis import (
-    FLOAT16_ADVICE_THRESHOLD,
     computing_in_float32,
     diagnose_batch,
     recording_layers,
 )
 
-__all__ = ["LayerSelection", "MAX_RELATIVE_ERROR", "select_float32_layers", "own_relative_errors"]
+__all__ = ["MAX_RELATIVE_ERROR", "LayerSelection", "own_relative_errors", "select_float32_layers"]
 
 #: A layer whose own output differs from float32's by more than this
 #: (relative L2 error) is computed in float32. bfloat16 rounds each value
@@ -135,8 +135,9 @@ def own_relative_errors(model: keras.Model, x: Any) -> dict[str, float]:
     return errors
 
 
-def _flag(model: keras.Model, batches: Sequence[tuple[Any, Any]], pins: Sequence[str],
-          compute_dtype: str) -> tuple[dict[str, str], float]:
+def _flag(
+    model: keras.Model, batches: Sequence[tuple[Any, Any]], pins: Sequence[str], compute_dtype: str
+) -> tuple[dict[str, str], float]:
     """Layer name -> reason, for the model with `pins` in float32; and the
     largest gradient magnitude seen (for the loss scale)."""
     flags: dict[str, str] = {}
@@ -154,7 +155,9 @@ def _flag(model: keras.Model, batches: Sequence[tuple[Any, Any]], pins: Sequence
                     flags.setdefault(name, "the gradient it passes back is not finite")
                 else:
                     share = max(report.reference_max.get(name, 0.0), report.activation_max.get(name, 0.0))
-                    flags.setdefault(name, f"its output reaches {share / _FLOAT16_MAX:.0%} of float16's range")
+                    flags.setdefault(
+                        name, f"its output reaches {share / _FLOAT16_MAX:.0%} of float16's range"
+                    )
             for name, error in own_relative_errors(model, x).items():
                 if name not in pins and error > MAX_RELATIVE_ERROR:
                     flags.setdefault(name, f"it differs {error:.0%} from float32 (relative error)")
@@ -201,11 +204,14 @@ def select_float32_layers(
         flags, _ = _flag(model, batches, pins, compute_dtype)
         if flags:
             selection.notes.append(
-                "still flagged after pinning: " + ", ".join(f"{n} ({w})" for n, w in flags.items()))
+                "still flagged after pinning: " + ", ".join(f"{n} ({w})" for n, w in flags.items())
+            )
     # Minimal: a layer whose pinning changes nothing goes; containers are
     # tried first, so that the smallest layer that needs float32 is kept.
-    size = {layer.name: len(layer._flatten_layers(include_self=False, recursive=True))
-            for layer in model._flatten_layers(include_self=False, recursive=True)}
+    size = {
+        layer.name: len(layer._flatten_layers(include_self=False, recursive=True))
+        for layer in model._flatten_layers(include_self=False, recursive=True)
+    }
 
     def clean(names: list[str]) -> bool:
         return not _flag(model, batches, names, compute_dtype)[0]
@@ -246,8 +252,10 @@ def initial_scale_for(gradient_max: float) -> float:
 
 
 def _model_compute_dtype(model: keras.Model) -> str:
-    dtypes = {getattr(layer, "compute_dtype", "float32")
-              for layer in model._flatten_layers(include_self=False, recursive=True)}
+    dtypes = {
+        getattr(layer, "compute_dtype", "float32")
+        for layer in model._flatten_layers(include_self=False, recursive=True)
+    }
     for dtype in ("float16", "bfloat16"):
         if dtype in dtypes:
             return dtype

@@ -25,7 +25,8 @@ import logging
 import numbers
 import threading
 import warnings
-from typing import Any, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -52,8 +53,15 @@ from mp_callbacks._step_record import StepRecord
 from mp_callbacks._validation import FLOAT32_MAX, fail
 from mp_callbacks.errors import MixedPrecisionWarning
 
-__all__ = ["CheckedGradients", "DynamicLossScale", "STATE_VARIABLES", "MIN_LOSS_SCALE",
-           "MAX_FIXED_LOSS_SCALE", "check_scale", "check_fixed_scale"]
+__all__ = [
+    "MAX_FIXED_LOSS_SCALE",
+    "MIN_LOSS_SCALE",
+    "STATE_VARIABLES",
+    "CheckedGradients",
+    "DynamicLossScale",
+    "check_fixed_scale",
+    "check_scale",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -145,8 +153,9 @@ class DynamicLossScale(tf.Module):
         hysteresis: int = 1,
         name: str = "dynamic_loss_scale",
     ) -> None:
-        settings = ScaleSettings.checked(initial_scale, growth_interval, growth_factor,
-                                         backoff_factor, min_scale, max_scale, hysteresis)
+        settings = ScaleSettings.checked(
+            initial_scale, growth_interval, growth_factor, backoff_factor, min_scale, max_scale, hysteresis
+        )
         super().__init__(name=name)
         self._settings = settings
         self.initial_scale = settings.initial_scale
@@ -164,12 +173,15 @@ class DynamicLossScale(tf.Module):
         with tf.init_scope(), self.name_scope:
             for spec in STATE_VARIABLES:
                 self._state[spec.name] = tf.Variable(
-                    initial[spec.name], dtype=spec.dtype, trainable=False,
-                    aggregation=_ONLY_FIRST, name=spec.name,
+                    initial[spec.name],
+                    dtype=spec.dtype,
+                    trainable=False,
+                    aggregation=_ONLY_FIRST,
+                    name=spec.name,
                 )
         self._scale = self._state["scale"]
         # Per-variable non-finite counts need the variable list: see build().
-        self._nonfinite_counts: tf.Variable | None = None
+        self._nonfinite_counts: Any = None  # a tf.Variable once built
         self._variable_paths: list[str] = []
         self._variable_ids: tuple[int, ...] = ()
         self._built = _Untracked([])
@@ -179,12 +191,12 @@ class DynamicLossScale(tf.Module):
 
     # ------------------------------------------------------------------ config
     @classmethod
-    def fixed(cls, scale: float, name: str = "fixed_loss_scale") -> "DynamicLossScale":
+    def fixed(cls, scale: float, name: str = "fixed_loss_scale") -> DynamicLossScale:
         """A constant loss scale (still skips non-finite steps)."""
         return cls(initial_scale=scale, min_scale=scale, max_scale=scale, name=name)
 
     @classmethod
-    def disabled(cls, name: str = "no_loss_scale") -> "DynamicLossScale":
+    def disabled(cls, name: str = "no_loss_scale") -> DynamicLossScale:
         """No loss scaling: scale 1.0, non-finite steps still skipped."""
         return cls.fixed(1.0, name=name)
 
@@ -211,7 +223,7 @@ class DynamicLossScale(tf.Module):
         }
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "DynamicLossScale":
+    def from_config(cls, config: dict[str, Any]) -> DynamicLossScale:
         return cls(**config)
 
     def __repr__(self) -> str:
@@ -256,9 +268,7 @@ class DynamicLossScale(tf.Module):
             )
         self._variable_ids = ids
         self._built = _Untracked(variables)
-        self._variable_paths = [
-            getattr(v, "path", None) or v.name for v in variables
-        ]
+        self._variable_paths = [getattr(v, "path", None) or v.name for v in variables]
 
     # -------------------------------------------------------------- hot path
     @property
@@ -345,7 +355,8 @@ class DynamicLossScale(tf.Module):
         inverse = tf.math.reciprocal(self._scale)
         overwrite = (
             [bool(getattr(v, "overwrite_with_gradient", False)) for v in variables]
-            if variables is not None else [False] * len(grads)
+            if variables is not None
+            else [False] * len(grads)
         )
 
         def unscale_one(grad, keep):
@@ -474,7 +485,11 @@ class DynamicLossScale(tf.Module):
         if record is not None:
             record.note_apply(applied, applied_norm(checked, grads, variables))
         apply_or_skip(
-            optimizer, grads, variables, applied, restore_on_skip=restore_on_skip,
+            optimizer,
+            grads,
+            variables,
+            applied,
+            restore_on_skip=restore_on_skip,
             # Computed from the loss, so whatever waits for it comes after
             # every read of the forward pass.
             forward_done=None if loss is None else tf.equal(loss_flag, 0),
@@ -521,30 +536,39 @@ class DynamicLossScale(tf.Module):
 
         if isinstance(optimizer, LossScaleOptimizer):
             if optimizer.scaler is not self:
-                self._warn_once(optimizer, (
-                    f"DynamicLossScale.apply_gradients got a LossScaleOptimizer with its own loss "
-                    f"scale ({optimizer.scaler!r}); this one decides the step and its "
-                    "inner optimizer applies it, so that scale does not move."
-                ))
+                self._warn_once(
+                    optimizer,
+                    (
+                        f"DynamicLossScale.apply_gradients got a LossScaleOptimizer with its own loss "
+                        f"scale ({optimizer.scaler!r}); this one decides the step and its "
+                        "inner optimizer applies it, so that scale does not move."
+                    ),
+                )
             optimizer = optimizer.inner_optimizer
         elif isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            self._warn_once(optimizer, (
-                "DynamicLossScale.apply_gradients got Keras's LossScaleOptimizer, which "
-                "compile() puts around the optimizer under mixed_float16 and which would "
-                "unscale these gradients a second time. Its inner optimizer applies them "
-                "instead. Compile with auto_scale_loss=False (or use MixedPrecisionModel) "
-                "to pass the optimizer itself."
-            ))
+            self._warn_once(
+                optimizer,
+                (
+                    "DynamicLossScale.apply_gradients got Keras's LossScaleOptimizer, which "
+                    "compile() puts around the optimizer under mixed_float16 and which would "
+                    "unscale these gradients a second time. Its inner optimizer applies them "
+                    "instead. Compile with auto_scale_loss=False (or use MixedPrecisionModel) "
+                    "to pass the optimizer itself."
+                ),
+            )
             optimizer = optimizer.inner_optimizer
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             fail(_OWNER, "optimizer", optimizer, "a Keras optimizer", TypeError)
         factor = getattr(optimizer, "loss_scale_factor", None)
         if factor is not None:
-            self._warn_once(optimizer, (
-                f"DynamicLossScale.apply_gradients: the optimizer's loss_scale_factor={factor!r} "
-                "is cleared: the gradients are unscaled by this DynamicLossScale, and Keras "
-                "would divide them by the factor again."
-            ))
+            self._warn_once(
+                optimizer,
+                (
+                    f"DynamicLossScale.apply_gradients: the optimizer's loss_scale_factor={factor!r} "
+                    "is cleared: the gradients are unscaled by this DynamicLossScale, and Keras "
+                    "would divide them by the factor again."
+                ),
+            )
             optimizer.loss_scale_factor = None
         return optimizer
 
@@ -586,13 +610,11 @@ class DynamicLossScale(tf.Module):
         else:
             flags, applied = self._combined_flags(entries), None
         replica_context = tf.distribute.get_replica_context()
-        if (replica_context is None or not tf.distribute.has_strategy()
-                or strategy_supports_no_merge_call()):
+        if replica_context is None or not tf.distribute.has_strategy() or strategy_supports_no_merge_call():
             self._update_state(flags, applied)
             return
         replica_context.merge_call(
-            lambda distribution, flags: self._update_state(
-                distribution.experimental_local_results(flags)[0]),
+            lambda distribution, flags: self._update_state(distribution.experimental_local_results(flags)[0]),
             args=(flags,),
         )
 
@@ -603,7 +625,9 @@ class DynamicLossScale(tf.Module):
         per_variable = [tf.constant(0, tf.int64)] * len(position)
         for variables, flags, _ in entries:
             for i, variable in enumerate(variables):
-                per_variable[position[id(variable)]] = tf.maximum(per_variable[position[id(variable)]], flags[i])
+                per_variable[position[id(variable)]] = tf.maximum(
+                    per_variable[position[id(variable)]], flags[i]
+                )
         loss_flags = [flags[-1] for _, flags, _ in entries]
         return tf.stack(per_variable + [tf.reduce_max(tf.stack(loss_flags))])
 
@@ -617,8 +641,7 @@ class DynamicLossScale(tf.Module):
         position = {id(v): i for i, v in enumerate(variables)}
         zero = tf.constant(0, tf.int64)
         return tf.stack(
-            [flags[position[id(v)]] if id(v) in position else zero for v in self._built.items]
-            + [flags[-1]]
+            [flags[position[id(v)]] if id(v) in position else zero for v in self._built.items] + [flags[-1]]
         )
 
     @_no_autograph
@@ -662,9 +685,7 @@ class DynamicLossScale(tf.Module):
         names = [spec.name for spec in STATE_VARIABLES]
         # One device-to-host transfer; float64 holds the counters exactly
         # up to 2**53, far beyond any training run.
-        values = tf.stack(
-            [tf.cast(self._state[name], tf.float64) for name in names]
-        ).numpy()
+        values = tf.stack([tf.cast(self._state[name], tf.float64) for name in names]).numpy()
         state: dict[str, float | int | None] = {
             name: int(value) if name in _scale_state.COUNTERS else float(value)
             for name, value in zip(names, values)
@@ -739,10 +760,7 @@ def loss_scale_from_argument(value: Any, owner: str = "MixedPrecisionModel") -> 
     Accepts "auto" (returns None: the model decides at compile), None (no
     scaling), a DynamicLossScale, its config dict, or a number in
     [2**-24, 2**64] (a fixed scale); anything else raises naming `loss_scale` and `owner`."""
-    requirement = (
-        "'auto', a DynamicLossScale, a number in [2**-24, 2**64] (fixed scale) or None "
-        "(no scaling)"
-    )
+    requirement = "'auto', a DynamicLossScale, a number in [2**-24, 2**64] (fixed scale) or None (no scaling)"
     if isinstance(value, str):
         if value != AUTO:
             fail(owner, "loss_scale", value, requirement)

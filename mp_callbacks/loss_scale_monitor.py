@@ -4,11 +4,10 @@ collapses or too many steps are skipped."""
 from __future__ import annotations
 
 import logging
-import warnings
 import math
+import warnings
 from typing import Any
 
-from mp_callbacks._backend import keras
 from mp_callbacks._callback_support import MixedPrecisionCallback
 from mp_callbacks._loss_scale_source import LossScaleSource, read_variable
 from mp_callbacks._validation import check_int, check_real
@@ -85,15 +84,24 @@ class LossScaleMonitor(MixedPrecisionCallback):
         super().__init__()
         owner = "LossScaleMonitor"
         if every_n_steps is not None:
-            every_n_steps = check_int(owner, "every_n_steps", every_n_steps, low=1,
-                                      requirement="None or an integer >= 1")
+            every_n_steps = check_int(
+                owner, "every_n_steps", every_n_steps, low=1, requirement="None or an integer >= 1"
+            )
         if collapse_threshold is not None:
             collapse_threshold = check_real(
-                owner, "collapse_threshold", collapse_threshold, low=0.0, low_inclusive=False,
+                owner,
+                "collapse_threshold",
+                collapse_threshold,
+                low=0.0,
+                low_inclusive=False,
                 requirement="None or a finite number > 0",
             )
         max_skipped_fraction = check_real(
-            owner, "max_skipped_fraction", max_skipped_fraction, low=0.0, high=1.0,
+            owner,
+            "max_skipped_fraction",
+            max_skipped_fraction,
+            low=0.0,
+            high=1.0,
             requirement="a number in [0, 1]",
         )
         self.every_n_steps = every_n_steps
@@ -193,9 +201,7 @@ class LossScaleMonitor(MixedPrecisionCallback):
         floor = self._source.min_scale
 
         def collapsed_at(value: float) -> bool:
-            return value <= floor or (
-                self.collapse_threshold is not None and value < self.collapse_threshold
-            )
+            return value <= floor or (self.collapse_threshold is not None and value < self.collapse_threshold)
 
         collapsed = collapsed_at(min(lowest, scale))
         if collapsed and not self._collapsed:
@@ -207,7 +213,8 @@ class LossScaleMonitor(MixedPrecisionCallback):
             else:  # Keras's LossScaleOptimizer has no minimum of its own
                 limit = f"at or below {floor:g}"
             when = (
-                f"by the end of epoch {epoch + 1}" if collapsed_at(scale)
+                f"by the end of epoch {epoch + 1}"
+                if collapsed_at(scale)
                 else f"during epoch {epoch + 1} (it ended the epoch at {scale:g})"
             )
             warnings.warn(
@@ -230,8 +237,11 @@ class LossScaleMonitor(MixedPrecisionCallback):
             # skips may be a scale that never finds a level: counted.
             calibrated = now["step_count"] > now["skipped_steps"]
             calibration = now["calibration_steps"] - start["calibration_steps"] if calibrated else 0
-            return (float(now["skipped_steps"] - start["skipped_steps"]),
-                    now["step_count"] - start["step_count"], calibration)
+            return (
+                float(now["skipped_steps"] - start["skipped_steps"]),
+                now["step_count"] - start["step_count"],
+                calibration,
+            )
         if self._source.kind == "keras":
             applied = int(read_variable(self.model.optimizer.iterations)) - self._iterations_at_epoch_start
             return float(max(self._epoch_steps - applied, 0)), self._epoch_steps, 0
@@ -246,7 +256,9 @@ class LossScaleMonitor(MixedPrecisionCallback):
                 "LossScaleMonitor: %d step(s) of epoch %d were skipped while the loss scale "
                 "came down from its initial_scale (%g) to fit the gradients; not counted "
                 "toward max_skipped_fraction.",
-                calibration, epoch + 1, self._source.scaler.initial_scale,
+                calibration,
+                epoch + 1,
+                self._source.scaler.initial_scale,
             )
         counted = skipped - calibration
         fraction = counted / steps

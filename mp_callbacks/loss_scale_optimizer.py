@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from mp_callbacks._backend import keras, tf
 from mp_callbacks._validation import check_int, fail
@@ -176,8 +177,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         _check_inner(inner_optimizer)
         if not isinstance(dynamic, bool):
             raise TypeError(
-                '"dynamic" argument to LossScaleOptimizer.__init__ must be a bool, '
-                f"but got: {dynamic!r}"
+                f'"dynamic" argument to LossScaleOptimizer.__init__ must be a bool, but got: {dynamic!r}'
             )
         for argument, default in _BASE_DEFAULTS.items():
             if argument in kwargs:
@@ -189,11 +189,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                     )
         if kwargs:
             raise UnsupportedArgumentError(
-                "LossScaleOptimizer does not support arguments: "
-                f"`{'`, `'.join(kwargs)}`."
+                f"LossScaleOptimizer does not support arguments: `{'`, `'.join(kwargs)}`."
             )
         self_loss_scale = _loss_scale_from_settings(
-            dynamic, initial_scale, _integral(dynamic_growth_steps), loss_scale, {
+            dynamic,
+            initial_scale,
+            _integral(dynamic_growth_steps),
+            loss_scale,
+            {
                 "growth_interval": _integral(growth_interval),
                 "growth_factor": growth_factor,
                 "backoff_factor": backoff_factor,
@@ -214,8 +217,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         inner_optimizer._mp_wrapped_by_loss_scale_optimizer = True
 
     @classmethod
-    def for_model(cls, inner_optimizer: keras.optimizers.Optimizer,
-                  loss_scale: DynamicLossScale) -> "LossScaleOptimizer":
+    def for_model(
+        cls, inner_optimizer: keras.optimizers.Optimizer, loss_scale: DynamicLossScale
+    ) -> LossScaleOptimizer:
         """The optimizer a `MixedPrecisionModel` with its own `train_step`
         trains through: `inner_optimizer` with the model's `loss_scale`,
         whose state the model saves."""
@@ -225,8 +229,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         wrapper._saves_loss_scale = False
         return wrapper
 
-    def _wrap(self, inner: keras.optimizers.Optimizer, loss_scale: DynamicLossScale,
-              name: str | None) -> None:
+    def _wrap(
+        self, inner: keras.optimizers.Optimizer, loss_scale: DynamicLossScale, name: str | None
+    ) -> None:
         # Keras's LossScaleOptimizer.__init__ makes its own scale variables;
         # this class keeps its state in the DynamicLossScale instead.
         keras.optimizers.Optimizer.__init__(self, learning_rate=0.0, name=name)
@@ -293,6 +298,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         callable that returns the scaled loss (as in tf.keras)."""
         self._loss_has_been_scaled = True
         if callable(loss):
+
             def scaled_loss() -> Any:
                 return self.scaler.scale(loss())
 
@@ -379,8 +385,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
 
     def _warn_about_scaling(self) -> None:
-        if (not self.scaler.scaling_active or self._keras_scales_the_loss
-                or not self._saves_loss_scale or self.scaler._record is not None):
+        if (
+            not self.scaler.scaling_active
+            or self._keras_scales_the_loss
+            or not self._saves_loss_scale
+            or self.scaler._record is not None
+        ):
             return
         if self._loss_has_been_scaled and self._gradients_have_been_unscaled:
             return
@@ -496,7 +506,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return config
 
     @classmethod
-    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> "LossScaleOptimizer":
+    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> LossScaleOptimizer:
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(
             config.pop("inner_optimizer"), custom_objects=custom_objects
@@ -527,7 +537,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return
         prefix = "mp_loss_scale."  # earlier releases' key names
         self.scaler.set_state(
-            {key[len(prefix):] if key.startswith(prefix) else key: store[key] for key in store.keys()}
+            {key[len(prefix) :] if key.startswith(prefix) else key: store[key] for key in store.keys()}
         )
 
 
@@ -545,7 +555,10 @@ def _check_inner(inner_optimizer: Any) -> None:
 
 
 def _loss_scale_from_settings(
-    dynamic: bool, initial_scale: Any, dynamic_growth_steps: Any, loss_scale: Any,
+    dynamic: bool,
+    initial_scale: Any,
+    dynamic_growth_steps: Any,
+    loss_scale: Any,
     keywords: dict[str, Any],
 ) -> DynamicLossScale:
     """The DynamicLossScale that tf.keras's arguments (and the keywords)
@@ -587,17 +600,20 @@ def _loss_scale_from_settings(
     extra = sorted(set(given) - {"initial_scale"})
     if extra:
         raise ValueError(
-            f"{_OWNER}: {', '.join(extra)} only apply to a dynamic loss scale, "
-            "but dynamic=False."
+            f"{_OWNER}: {', '.join(extra)} only apply to a dynamic loss scale, but dynamic=False."
         )
     return DynamicLossScale.fixed(check_fixed_scale(_OWNER, "initial_scale", initial_scale))
 
 
 def _loss_scale_from_argument(value: Any) -> DynamicLossScale:
     if isinstance(value, str) or (isinstance(value, dict) and not value):
-        fail(_OWNER, "loss_scale", value,
-             "a DynamicLossScale, its config dict, or a number in [2**-24, 2**64] (fixed scale)",
-             ValueError if isinstance(value, (str, dict)) else TypeError)
+        fail(
+            _OWNER,
+            "loss_scale",
+            value,
+            "a DynamicLossScale, its config dict, or a number in [2**-24, 2**64] (fixed scale)",
+            ValueError if isinstance(value, (str, dict)) else TypeError,
+        )
     if isinstance(value, dict):
         return DynamicLossScale.from_config(value)
     result = loss_scale_from_argument(value, owner=_OWNER)

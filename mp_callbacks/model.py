@@ -16,7 +16,8 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from mp_callbacks._backend import keras, tf
 from mp_callbacks._keras_internals import (
@@ -33,7 +34,7 @@ from mp_callbacks.loss_scale import AUTO, DynamicLossScale, loss_scale_from_argu
 from mp_callbacks.loss_scale_optimizer import LossScaleOptimizer
 from mp_callbacks.model_checks import check_model
 
-__all__ = ["MixedPrecisionModel", "LOG_KEYS"]
+__all__ = ["LOG_KEYS", "MixedPrecisionModel"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ def _accounted(train_step: Callable) -> Callable:
     standard = getattr(train_step, "_mp_standard_step", False)
 
     @functools.wraps(train_step)
-    def accounted_train_step(self: "MixedPrecisionModel", data: Any) -> Any:
+    def accounted_train_step(self: MixedPrecisionModel, data: Any) -> Any:
         loss_scale = self._loss_scale
         if loss_scale is None or loss_scale._record is not None:
             return train_step(self, data)
@@ -127,7 +128,9 @@ def _for_multi_worker_reduction(logs: dict[str, Any]) -> dict[str, Any]:
     if not _in_multi_worker_mode():
         return logs
     return {
-        key: tf.reshape(value, [1]) if getattr(value, "shape", None) is not None and value.shape.rank == 0 else value
+        key: tf.reshape(value, [1])
+        if getattr(value, "shape", None) is not None and value.shape.rank == 0
+        else value
         for key, value in logs.items()
     }
 
@@ -143,8 +146,8 @@ class _KeptBatch:
 
     def __init__(self) -> None:
         self.structure: Any = None
-        self.variables: list[tf.Variable] | None = None
-        self.step: tf.Variable | None = None
+        self.variables: Any = None  # list[tf.Variable] once a batch was seen
+        self.step: Any = None
         self.not_kept: str | None = None
 
     def pairs(self, data: Any, step: Any) -> list[tuple[Any, Any]]:
@@ -158,15 +161,18 @@ class _KeptBatch:
         if self.variables is None:
             with tf.init_scope():
                 self.variables = [
-                    tf.Variable(tf.zeros([0] * len(t.shape), t.dtype), shape=tf.TensorShape(None),
-                                trainable=False, name="kept_batch")
+                    tf.Variable(
+                        tf.zeros([0] * len(t.shape), t.dtype),
+                        shape=tf.TensorShape(None),
+                        trainable=False,
+                        name="kept_batch",
+                    )
                     for t in flat
                 ]
                 self.step = tf.Variable(-1, dtype=tf.int64, trainable=False, name="kept_batch_step")
             # Only the layout (where the None entries are), not the tensors.
             self.structure = tf.nest.map_structure(lambda t: None if t is None else True, data)
-        if len(flat) != len(self.variables) or any(
-                t.dtype != v.dtype for t, v in zip(flat, self.variables)):
+        if len(flat) != len(self.variables) or any(t.dtype != v.dtype for t, v in zip(flat, self.variables)):
             return []  # another structure than the first batch's: keep nothing
         return list(zip(self.variables, flat)) + [(self.step, step)]
 
@@ -256,7 +262,9 @@ class MixedPrecisionModel(keras.Model):
         super().__init_subclass__(**kwargs)
         own_step = cls.__dict__.get("train_step")
         if own_step is not None and not getattr(own_step, "_mp_accounted", False):
-            cls.train_step = _accounted(own_step)
+            setattr(cls, "train_step", _accounted(own_step))  # noqa: B010 (a method, set on the class)
+
+    _loss_scale: Any  # a DynamicLossScale once compiled (None before, for "auto")
 
     def __init__(self, *args: Any, loss_scale: Any = _AUTO, **kwargs: Any) -> None:
         if functional_init_arguments(args, kwargs):
@@ -280,9 +288,7 @@ class MixedPrecisionModel(keras.Model):
 
     # ------------------------------------------------------------ creation
     @classmethod
-    def from_model(
-        cls, model: keras.Model, loss_scale: Any = _AUTO, **kwargs: Any
-    ) -> "MixedPrecisionModel":
+    def from_model(cls, model: keras.Model, loss_scale: Any = _AUTO, **kwargs: Any) -> MixedPrecisionModel:
         """Wraps an existing Sequential or functional model.
 
         The new model shares the original's layers and weights, and takes
@@ -458,14 +464,14 @@ class MixedPrecisionModel(keras.Model):
         elif self._loss_scale_chosen_by == "user" and not auto_scale_loss:
             logger.info(
                 "MixedPrecisionModel keeps its loss scale %r: auto_scale_loss=False "
-                "only turns off loss_scale='auto'.", self._loss_scale,
+                "only turns off loss_scale='auto'.",
+                self._loss_scale,
             )
         super().compile(optimizer, *args, auto_scale_loss=False, **kwargs)
         if self._loss_scale_chosen_by != "user":
             choice = "auto" if auto_scale_loss else "off"
             if self._loss_scale is None or self._loss_scale_chosen_by != choice:
-                self._loss_scale = (self._auto_loss_scale() if auto_scale_loss
-                                    else DynamicLossScale.disabled())
+                self._loss_scale = self._auto_loss_scale() if auto_scale_loss else DynamicLossScale.disabled()
                 self._loss_scale_chosen_by = choice
         if self._loss_scale.scaling_active or self._overrides_train_step():
             # As in Keras, a model that scales its loss trains through a
@@ -494,8 +500,12 @@ class MixedPrecisionModel(keras.Model):
         findings = [f for f in check_model(self) if f.kind != "not_checked"]
         if findings and self._loading:
             # Warned when the model was first compiled, not at every load.
-            logger.info("check_model found %d mixed-precision issue(s) in %r: %s",
-                        len(findings), self.name, "; ".join(map(str, findings)))
+            logger.info(
+                "check_model found %d mixed-precision issue(s) in %r: %s",
+                len(findings),
+                self.name,
+                "; ".join(map(str, findings)),
+            )
             return
         if findings:
             warnings.warn(
@@ -515,20 +525,23 @@ class MixedPrecisionModel(keras.Model):
 
     def make_train_function(self, force: bool = False):
         if self._loss_scale is None:
-            raise RuntimeError(
-                "MixedPrecisionModel must be compiled before training."
-            )
+            raise RuntimeError("MixedPrecisionModel must be compiled before training.")
         with self.distribute_strategy.scope():
             self._loss_scale.build(self.trainable_variables)
         return super().make_train_function(force=force)
 
-    def compute_loss(self, x: Any = None, y: Any = None, y_pred: Any = None,
-                     sample_weight: Any = None, training: bool = True) -> Any:
+    def compute_loss(
+        self,
+        x: Any = None,
+        y: Any = None,
+        y_pred: Any = None,
+        sample_weight: Any = None,
+        training: bool = True,
+    ) -> Any:
         """As `keras.Model.compute_loss`; inside a training step, the loss
         is also noted as one the step's updates come from (a non-finite
         one is divergence for `NaNGradientMonitor`)."""
-        loss = super().compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                                    training=training)
+        loss = super().compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
         record = None if self._loss_scale is None else self._loss_scale._record
         if record is not None and training:
             record.note_loss(loss)
@@ -554,12 +567,8 @@ class MixedPrecisionModel(keras.Model):
                 y_pred = self(x, training=True)
             else:
                 y_pred = self(x)
-            loss = self._compute_loss(
-                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-            )
-            batch_size = tf.shape(
-                next(t for t in tf.nest.flatten(x) if t is not None)
-            )[0]
+            loss = self._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+            batch_size = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
             # Keras divides the loss by the replica count under tf.distribute.
             self._loss_tracker.update_state(loss * num_replicas, sample_weight=batch_size)
             scaled_loss = loss_scale.scale(loss)
@@ -584,7 +593,11 @@ class MixedPrecisionModel(keras.Model):
                     (x, y, sample_weight), loss_scale._state["step_count"].read_value()
                 )
             loss_scale.apply_gradients(
-                self.optimizer, grads, variables, loss=loss, restore_on_skip=restore,
+                self.optimizer,
+                grads,
+                variables,
+                loss=loss,
+                restore_on_skip=restore,
                 checked=checked,
             )
         return dict(self.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
@@ -597,8 +610,7 @@ class MixedPrecisionModel(keras.Model):
         before your own train_step runs."""
         return [(v, tf.identity(v.value)) for v in self.non_trainable_variables]
 
-    def _finish_step(self, record: StepRecord, logs: Any,
-                     forward_state: list[tuple[Any, Any]] | None) -> Any:
+    def _finish_step(self, record: StepRecord, logs: Any, forward_state: list[tuple[Any, Any]] | None) -> Any:
         """Ends a recorded step: one state update, the forward pass's state
         put back if an update was skipped, and the step in the logs."""
         loss_scale = self._loss_scale
@@ -624,9 +636,9 @@ class MixedPrecisionModel(keras.Model):
             logs.setdefault("loss_scale", loss_scale.loss_scale)
         # An epoch without an applied step has no gradient norm (0 would
         # read as vanishing gradients).
-        logs.setdefault("grad_norm", tf.where(
-            signals.grad_norm.count > 0, signals.grad_norm.result(), float("nan")
-        ))
+        logs.setdefault(
+            "grad_norm", tf.where(signals.grad_norm.count > 0, signals.grad_norm.result(), float("nan"))
+        )
         logs.setdefault("skipped_steps", signals.skipped_steps.result())
         return _for_multi_worker_reduction(logs)
 
@@ -674,9 +686,7 @@ class MixedPrecisionModel(keras.Model):
         if self._loss_scale is None:
             config["loss_scale"] = _AUTO
         else:
-            config["loss_scale"] = keras.saving.serialize_keras_object(
-                self._loss_scale
-            )
+            config["loss_scale"] = keras.saving.serialize_keras_object(self._loss_scale)
         return config
 
     @property
@@ -695,7 +705,7 @@ class MixedPrecisionModel(keras.Model):
         # model's own entries, under this prefix.
         prefix = "mp_loss_scale."
         keys = list(store.keys())
-        legacy = {k[len(prefix):]: store[k] for k in keys if k.startswith(prefix)}
+        legacy = {k[len(prefix) :]: store[k] for k in keys if k.startswith(prefix)}
         super().load_own_variables({k: store[k] for k in keys if not k.startswith(prefix)})
         if legacy and self._loss_scale is not None:
             self._loss_scale.set_state(legacy)

@@ -294,8 +294,10 @@ def check_model(model: keras.Model) -> list[Finding]:
         A list of `Finding`s.
     """
     findings = _check(model)
-    if any(_compute_dtype(layer) == "float16"
-           for layer in _low_precision_layers(model._flatten_layers(include_self=False))):
+    if any(
+        _compute_dtype(layer) == "float16"
+        for layer in _low_precision_layers(model._flatten_layers(include_self=False))
+    ):
         findings += _loss_scale_findings(model)
     return findings
 
@@ -309,14 +311,17 @@ def _has_graph(model: Any) -> bool:
 
 
 def _sub_models(model: keras.Model) -> list[keras.Model]:
-    return [layer for layer in model._flatten_layers(include_self=False, recursive=False)
-            if isinstance(layer, keras.Model)]
+    return [
+        layer
+        for layer in model._flatten_layers(include_self=False, recursive=False)
+        if isinstance(layer, keras.Model)
+    ]
 
 
 def _check(model: keras.Model) -> list[Finding]:
     """Every finding but the loss scale's, for `model` and its sub-models."""
     findings: list[Finding] = []
-    layers = [layer for layer in model._flatten_layers(include_self=False)]
+    layers = list(model._flatten_layers(include_self=False))
     low_precision = [layer for layer in layers if _compute_dtype(layer) in _LOW_PRECISION]
     if not low_precision and _compute_dtype(model) not in _LOW_PRECISION:
         return findings
@@ -344,27 +349,36 @@ def _check(model: keras.Model) -> list[Finding]:
         else:
             remedy = f"its {operation} is computed in {dtype}. Give this layer dtype='float32'."
         reported.add(layer.name)
-        findings.append(Finding(
-            layer.name, "output_dtype",
-            f"model output is {dtype} under a mixed policy; {remedy}", (layer.name,),
-        ))
+        findings.append(
+            Finding(
+                layer.name,
+                "output_dtype",
+                f"model output is {dtype} under a mixed policy; {remedy}",
+                (layer.name,),
+            )
+        )
     for layer in _layers_feeding_loss(output_layers):
         dtype = _compute_dtype(layer)
         if dtype not in _LOW_PRECISION or layer.name in reported:
             continue
         operation = _saturating_operation(layer)
         if operation is not None:
-            findings.append(Finding(
-                layer.name, "low_precision_output_op",
-                f"{operation} is computed in {dtype} and feeds the loss; it "
-                "saturates and loses precision there. Give this layer "
-                "dtype='float32'.", (layer.name,),
-            ))
+            findings.append(
+                Finding(
+                    layer.name,
+                    "low_precision_output_op",
+                    f"{operation} is computed in {dtype} and feeds the loss; it "
+                    "saturates and loses precision there. Give this layer "
+                    "dtype='float32'.",
+                    (layer.name,),
+                )
+            )
 
     sub_models = [] if _has_graph(model) else _sub_models(model)
     if sub_models:  # their layers are checked with them, once
-        inside = {id(layer) for sub_model in sub_models
-                  for layer in sub_model._flatten_layers(include_self=True)}
+        inside = {
+            id(layer) for sub_model in sub_models for layer in sub_model._flatten_layers(include_self=True)
+        }
         layers = [layer for layer in layers if id(layer) not in inside]
         low_precision = [layer for layer in low_precision if id(layer) not in inside]
     findings += _float_index_findings(layers)
@@ -378,11 +392,15 @@ def _check(model: keras.Model) -> list[Finding]:
                 for f in _check(sub_model)
             ]
         seen = f"; its sub-models {', '.join(map(repr, checked))} are" if checked else ""
-        findings.append(Finding(
-            model.name, "not_checked",
-            f"{type(model).__name__} is subclassed: the operations written in its own call() "
-            f"(and train_step) are not checked, only its layers{seen}.", (model.name,),
-        ))
+        findings.append(
+            Finding(
+                model.name,
+                "not_checked",
+                f"{type(model).__name__} is subclassed: the operations written in its own call() "
+                f"(and train_step) are not checked, only its layers{seen}.",
+                (model.name,),
+            )
+        )
     return findings
 
 
@@ -392,17 +410,21 @@ def _loss_scale_findings(model: keras.Model) -> list[Finding]:
     compiled = getattr(model, "optimizer", None) is not None or source.scaler is not None
     if not compiled or source.active:
         return []
-    return [Finding(
-        model.name, "missing_loss_scale",
-        "layers compute in float16 but no loss scale is in use: small "
-        "gradients underflow to zero. Use loss_scale='auto' or a "
-        "DynamicLossScale (in your own train_step, scale the loss: "
-        "loss = self.optimizer.scale_loss(loss)).", (model.name,),
-    )]
+    return [
+        Finding(
+            model.name,
+            "missing_loss_scale",
+            "layers compute in float16 but no loss scale is in use: small "
+            "gradients underflow to zero. Use loss_scale='auto' or a "
+            "DynamicLossScale (in your own train_step, scale the loss: "
+            "loss = self.optimizer.scale_loss(loss)).",
+            (model.name,),
+        )
+    ]
 
 
 def _input_tensors(layer: Any) -> list[Any]:
-    tensors = []
+    tensors: list[Any] = []
     for node in getattr(layer, "_inbound_nodes", []):
         tensors.extend(t for t in getattr(node, "input_tensors", []) if hasattr(t, "_keras_history"))
     return tensors
@@ -418,8 +440,9 @@ def _float_index_findings(layers: list[Any]) -> list[Finding]:
     the lookup)."""
     findings = []
     for host in layers:
-        lookups = [inner for inner in host._flatten_layers(include_self=True)
-                   if isinstance(inner, _INDEX_LOOKUPS)]
+        lookups = [
+            inner for inner in host._flatten_layers(include_self=True) if isinstance(inner, _INDEX_LOOKUPS)
+        ]
         if not lookups:
             continue
         casts_on_entry = host not in lookups and _casts_floats(host)
@@ -436,15 +459,18 @@ def _float_index_findings(layers: list[Any]) -> list[Finding]:
             producer = tensor._keras_history[0]
             if isinstance(producer, keras.layers.InputLayer):
                 if cast is not None:
-                    findings.append(Finding(
-                        host.name, "float_index_input",
-                        f"the ids come from the float model input {producer.name!r} (a "
-                        f"keras.Input without dtype) and reach the {type(lookups[0]).__name__} "
-                        f"in {host.name!r} cast to {cast}, where ids above "
-                        f"{_EXACT_FLOAT_IDS[cast]} are rounded to other ids: the wrong rows are "
-                        f"looked up. Declare the ids as integers: keras.Input(..., dtype='int32').",
-                        (host.name,),
-                    ))
+                    findings.append(
+                        Finding(
+                            host.name,
+                            "float_index_input",
+                            f"the ids come from the float model input {producer.name!r} (a "
+                            f"keras.Input without dtype) and reach the {type(lookups[0]).__name__} "
+                            f"in {host.name!r} cast to {cast}, where ids above "
+                            f"{_EXACT_FLOAT_IDS[cast]} are rounded to other ids: the wrong rows are "
+                            f"looked up. Declare the ids as integers: keras.Input(..., dtype='int32').",
+                            (host.name,),
+                        )
+                    )
                     break
                 continue
             frontier.extend((t, cast) for t in _input_tensors(producer))

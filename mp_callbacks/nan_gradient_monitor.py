@@ -9,7 +9,6 @@ import threading
 import warnings
 from typing import Any
 
-from mp_callbacks._backend import keras
 from mp_callbacks._callback_support import MixedPrecisionCallback
 from mp_callbacks._loss_scale_source import LossScaleSource
 from mp_callbacks._validation import check_choice, check_int
@@ -31,8 +30,7 @@ def _logged_losses(logs: dict) -> list[Any]:
     """`loss`, or else every training `*loss` entry (a GAN's d_loss, g_loss)."""
     if "loss" in logs:
         return [logs["loss"]]
-    return [value for key, value in logs.items()
-            if key.endswith("loss") and not key.startswith("val_")]
+    return [value for key, value in logs.items() if key.endswith("loss") and not key.startswith("val_")]
 
 
 class NaNGradientMonitor(MixedPrecisionCallback):
@@ -131,8 +129,7 @@ class NaNGradientMonitor(MixedPrecisionCallback):
             self._last_counts = self._loss_scale.nonfinite_gradient_counts()
         else:
             logger.info(
-                "NaNGradientMonitor: %r does not train through a DynamicLossScale; "
-                "only the loss is watched.",
+                "NaNGradientMonitor: %r does not train through a DynamicLossScale; only the loss is watched.",
                 self.model.name,
             )
 
@@ -154,9 +151,9 @@ class NaNGradientMonitor(MixedPrecisionCallback):
             self._check(step, logs)
         self._steps_before_epoch = step
         if self._loss_scale is not None:
-            logs.setdefault("skipped_steps", float(
-                self._last_state["skipped_steps"] - self._epoch_start_skipped
-            ))
+            logs.setdefault(
+                "skipped_steps", float(self._last_state["skipped_steps"] - self._epoch_start_skipped)
+            )
 
     # ------------------------------------------------------------ checking
     def _check(self, step: int, logs: dict | None) -> None:
@@ -181,9 +178,7 @@ class NaNGradientMonitor(MixedPrecisionCallback):
         new_skips = state["skipped_steps"] - last["skipped_steps"]
         new_loss_failures = state["nonfinite_loss_steps"] - last["nonfinite_loss_steps"]
         new_divergent = state["divergent_steps"] - last["divergent_steps"]
-        culprits = [
-            path for path, count in counts.items() if count > self._last_counts.get(path, 0)
-        ]
+        culprits = [path for path, count in counts.items() if count > self._last_counts.get(path, 0)]
         # Only divergent steps since the last check count: the latch alone
         # would report a run that ended (or was reported) before.
         diverged = new_divergent > 0 and state["max_divergent_run"] >= self.patience
@@ -191,8 +186,10 @@ class NaNGradientMonitor(MixedPrecisionCallback):
         self.handled_steps += max(new_skips - new_divergent, 0)
         if new_skips and not diverged:
             logger.debug(
-                "NaNGradientMonitor: %d overflowing step(s) skipped by step %d; "
-                "loss scale now %g.", new_skips, step, state["scale"],
+                "NaNGradientMonitor: %d overflowing step(s) skipped by step %d; loss scale now %g.",
+                new_skips,
+                step,
+                state["scale"],
             )
         self._last_state, self._last_counts = state, counts
         self._loss_scale.reset_max_divergent_run()
@@ -236,25 +233,33 @@ class NaNGradientMonitor(MixedPrecisionCallback):
         report = self._replay_kept_batch()
         variables_text = (
             f"Non-finite gradients in {len(culprits)} variable(s): {', '.join(culprits)}."
-            if culprits else "No gradient was non-finite at the checks."
+            if culprits
+            else "No gradient was non-finite at the checks."
         )
         if report is not None and report.origin is not None:
             origin = report.origin
             if origin == "loss":
-                located = ("Every layer output of the replayed batch is finite but the loss is "
-                           "not: check the labels and the loss function.")
+                located = (
+                    "Every layer output of the replayed batch is finite but the loss is "
+                    "not: check the labels and the loss function."
+                )
             else:
                 forward = origin == report.first_nonfinite_layer
                 located = (
                     f"Non-finite values first appear in layer {origin!r} ("
-                    + ("forward pass: its output overflowed" if forward
-                       else "backward pass: the gradient it passes back is not finite")
+                    + (
+                        "forward pass: its output overflowed"
+                        if forward
+                        else "backward pass: the gradient it passes back is not finite"
+                    )
                     + "), found by replaying the batch of the last skipped step."
                 )
                 if report.float32_layers:
-                    located += (f" Compute {', '.join(map(repr, report.float32_layers))} in "
-                                "float32: mp_callbacks.with_float32_layers(model, "
-                                f"{report.float32_layers!r}).")
+                    located += (
+                        f" Compute {', '.join(map(repr, report.float32_layers))} in "
+                        "float32: mp_callbacks.with_float32_layers(model, "
+                        f"{report.float32_layers!r})."
+                    )
             where = f"{located} {variables_text}"
         else:
             origin = _layer_of(culprits[-1]) if culprits else None

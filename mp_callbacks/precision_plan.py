@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from mp_callbacks._backend import keras
 from mp_callbacks._validation import fail
@@ -37,9 +38,13 @@ def pin_float32(model: Any, names: Iterable[str]) -> None:
     by_name = _layers_by_name(model)
     unknown = [name for name in names if name not in by_name]
     if unknown:
-        fail(_OWNER, "float32_layers", unknown,
-             f"names of the model's layers ({', '.join(sorted(by_name)[:12])}"
-             f"{', ...' if len(by_name) > 12 else ''})")
+        fail(
+            _OWNER,
+            "float32_layers",
+            unknown,
+            f"names of the model's layers ({', '.join(sorted(by_name)[:12])}"
+            f"{', ...' if len(by_name) > 12 else ''})",
+        )
     float32 = keras.dtype_policies.get("float32")
     for name in names:
         for layer in by_name[name]._flatten_layers(include_self=True, recursive=True):
@@ -100,12 +105,15 @@ class PrecisionPlan:
         if self.policy not in POLICIES:
             fail(_OWNER, "policy", self.policy, f"one of {', '.join(POLICIES)}")
         if isinstance(self.float32_layers, str) or not all(
-                isinstance(name, str) for name in self.float32_layers):
+            isinstance(name, str) for name in self.float32_layers
+        ):
             fail(_OWNER, "float32_layers", self.float32_layers, "a list of layer names", TypeError)
         self.float32_layers = list(self.float32_layers)
         if self.initial_scale is not None and not (
-                isinstance(self.initial_scale, (int, float)) and math.isfinite(self.initial_scale)
-                and self.initial_scale >= 1.0):
+            isinstance(self.initial_scale, (int, float))
+            and math.isfinite(self.initial_scale)
+            and self.initial_scale >= 1.0
+        ):
             fail(_OWNER, "initial_scale", self.initial_scale, "None or a finite number >= 1")
 
     # ---------------------------------------------------------- applying
@@ -136,9 +144,13 @@ class PrecisionPlan:
         from mp_callbacks.model import MixedPrecisionModel
 
         if not (isinstance(model, keras.Sequential) or hasattr(model, "_run_through_graph")):
-            fail(_OWNER, "model", model.name,
-                 "a functional or Sequential model (in a subclassed model, set "
-                 f"dtype='float32' on {', '.join(self.float32_layers) or 'the layers'} in its code)")
+            fail(
+                _OWNER,
+                "model",
+                model.name,
+                "a functional or Sequential model (in a subclassed model, set "
+                f"dtype='float32' on {', '.join(self.float32_layers) or 'the layers'} in its code)",
+            )
         config = model.get_config()
         default = keras.dtype_policies.serialize(keras.dtype_policies.get(self.policy))
         known = set()
@@ -173,8 +185,10 @@ class PrecisionPlan:
         if self.float32_layers:
             lines.append(f"model = mp.with_float32_layers(model, {self.float32_layers!r})")
         if self.initial_scale is not None:
-            lines.append(f"model = mp.MixedPrecisionModel.from_model(model, loss_scale=mp.DynamicLossScale("
-                         f"initial_scale={self.initial_scale:g}))")
+            lines.append(
+                f"model = mp.MixedPrecisionModel.from_model(model, loss_scale=mp.DynamicLossScale("
+                f"initial_scale={self.initial_scale:g}))"
+            )
         return "\n".join(lines)
 
     # ------------------------------------------------------------- JSON
@@ -183,7 +197,7 @@ class PrecisionPlan:
         return json.dumps(asdict(self), indent=2, default=_jsonable)
 
     @classmethod
-    def from_json(cls, text: str) -> "PrecisionPlan":
+    def from_json(cls, text: str) -> PrecisionPlan:
         try:
             data = json.loads(text)
         except (TypeError, ValueError) as error:
@@ -198,35 +212,46 @@ class PrecisionPlan:
         """One row per candidate measured: step time, speed-up (median of
         paired rounds, with the spread), validation metric, skipped steps,
         pinned layers, and why it was or was not chosen."""
-        headers = ("candidate", "step time (ms)", "speed-up", "validation", "skipped steps",
-                   "pinned to float32", "verdict")
+        headers = (
+            "candidate",
+            "step time (ms)",
+            "speed-up",
+            "validation",
+            "skipped steps",
+            "pinned to float32",
+            "verdict",
+        )
         rows = []
         for candidate in self.candidates:
             step = candidate.get("step_time")
             speedup = candidate.get("speedup")
             spread = candidate.get("speedup_range")
             metric = candidate.get("metric")
-            rows.append((
-                candidate["policy"],
-                "-" if step is None else f"{step * 1000:.1f}",
-                "-" if speedup is None else (f"{speedup:.2f}x" + (
-                    f" ({spread[0]:.2f}-{spread[1]:.2f})" if spread else "")),
-                "-" if metric is None else f"{candidate.get('metric_name', '')} {metric:.4g}",
-                str(candidate.get("skipped_steps", "-")),
-                ", ".join(candidate.get("float32_layers", [])) or "-",
-                candidate.get("verdict", ""),
-            ))
+            rows.append(
+                (
+                    candidate["policy"],
+                    "-" if step is None else f"{step * 1000:.1f}",
+                    "-"
+                    if speedup is None
+                    else (f"{speedup:.2f}x" + (f" ({spread[0]:.2f}-{spread[1]:.2f})" if spread else "")),
+                    "-" if metric is None else f"{candidate.get('metric_name', '')} {metric:.4g}",
+                    str(candidate.get("skipped_steps", "-")),
+                    ", ".join(candidate.get("float32_layers", [])) or "-",
+                    candidate.get("verdict", ""),
+                )
+            )
         widths = [max(len(str(row[i])) for row in [headers, *rows]) for i in range(len(headers))]
-        lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
-                 for row in [headers, *rows]]
+        lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [headers, *rows]]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(lines)
 
     def __str__(self) -> str:
-        lines = [f"plan: {self.policy}" + (
-            f", {', '.join(self.float32_layers)} in float32" if self.float32_layers else "")
+        lines = [
+            f"plan: {self.policy}"
+            + (f", {', '.join(self.float32_layers)} in float32" if self.float32_layers else "")
             + (f", initial loss scale {self.initial_scale:g}" if self.initial_scale else "")
-            + (" (interrupted: what was measured so far)" if self.interrupted else "")]
+            + (" (interrupted: what was measured so far)" if self.interrupted else "")
+        ]
         if self.candidates:
             lines += ["", self.table()]
         if self.measured_on:

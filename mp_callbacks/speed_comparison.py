@@ -22,12 +22,12 @@ have.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
-__all__ = ["SpeedComparison", "MIN_SPEEDUP"]
+__all__ = ["MIN_SPEEDUP", "SpeedComparison"]
 
 #: The median speed-up a faster candidate must reach to be worth using.
 MIN_SPEEDUP = 1.1
@@ -81,7 +81,7 @@ class SpeedComparison:
 
     @property
     def verdict(self) -> str:
-        """"faster", "slower" or "tie" (also with fewer than two rounds)."""
+        """ "faster", "slower" or "tie" (also with fewer than two rounds)."""
         if self.rounds < 2:
             return "tie"
         low, high = self.quartiles  # type: ignore[misc]
@@ -105,5 +105,4 @@ class SpeedComparison:
             return "not measured"
         low, high = self.quartiles  # type: ignore[misc]
         what = "middle half" if self.rounds >= 5 else "range"
-        return (f"{self.median:.2f}x ({what} of {self.rounds} paired rounds: "
-                f"{low:.2f}-{high:.2f})")
+        return f"{self.median:.2f}x ({what} of {self.rounds} paired rounds: {low:.2f}-{high:.2f})"

@@ -20,7 +20,8 @@ Importing this module needs keras-tuner: `pip install "mp_callbacks[tuner]"`.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from mp_callbacks._backend import keras
 from mp_callbacks._validation import fail
@@ -36,7 +37,7 @@ except ImportError as error:  # pragma: no cover - exercised without the extra
         'imports in every trial): pip install "mp_callbacks[tuner]"'
     ) from error
 
-__all__ = ["MixedPrecisionHyperModel", "policy_scope", "POLICY_HP", "LOSS_SCALE_HP_PREFIX"]
+__all__ = ["LOSS_SCALE_HP_PREFIX", "POLICY_HP", "MixedPrecisionHyperModel", "policy_scope"]
 
 #: Name of the dtype-policy hyperparameter.
 POLICY_HP = "dtype_policy"
@@ -44,8 +45,13 @@ POLICY_HP = "dtype_policy"
 LOSS_SCALE_HP_PREFIX = "loss_scale_"
 
 _LOSS_SCALE_ARGS = (
-    "initial_scale", "growth_interval", "growth_factor", "backoff_factor",
-    "min_scale", "max_scale", "hysteresis",
+    "initial_scale",
+    "growth_interval",
+    "growth_factor",
+    "backoff_factor",
+    "min_scale",
+    "max_scale",
+    "hysteresis",
 )
 
 
@@ -92,18 +98,25 @@ class MixedPrecisionHyperModel(kt.HyperModel):
         policies = list(policies)
         unknown = [p for p in policies if p not in POLICIES]
         if not policies or unknown:
-            fail("MixedPrecisionHyperModel", "policies", policies,
-                 f"a non-empty list from {', '.join(POLICIES)}")
+            fail(
+                "MixedPrecisionHyperModel",
+                "policies",
+                policies,
+                f"a non-empty list from {', '.join(POLICIES)}",
+            )
         for argument, values in (loss_scale_space or {}).items():
             if argument not in _LOSS_SCALE_ARGS or not list(values):
-                fail("MixedPrecisionHyperModel", "loss_scale_space", {argument: values},
-                     f"a dict from DynamicLossScale arguments ({', '.join(_LOSS_SCALE_ARGS)}) "
-                     "to non-empty lists of values")
+                fail(
+                    "MixedPrecisionHyperModel",
+                    "loss_scale_space",
+                    {argument: values},
+                    f"a dict from DynamicLossScale arguments ({', '.join(_LOSS_SCALE_ARGS)}) "
+                    "to non-empty lists of values",
+                )
             for value in values:  # refused now, not in the middle of a search
                 if argument in ("initial_scale", "min_scale", "max_scale"):
                     # Their bounds depend on each other: checked alone here.
-                    check_scale("MixedPrecisionHyperModel", f"loss_scale_space[{argument!r}]",
-                                value)
+                    check_scale("MixedPrecisionHyperModel", f"loss_scale_space[{argument!r}]", value)
                 else:
                     DynamicLossScale(**{argument: value})
         self.hypermodel = hypermodel
@@ -113,9 +126,13 @@ class MixedPrecisionHyperModel(kt.HyperModel):
             p for p in policies if keras.dtype_policies.get(p).compute_dtype == "float16"
         ]
         if self.loss_scale_space and not self._float16_policies:
-            fail("MixedPrecisionHyperModel", "loss_scale_space", loss_scale_space,
-                 f"given only with a float16 policy among the policies ({', '.join(policies)} "
-                 "compute in float32 or bfloat16, where a loss scale does nothing)")
+            fail(
+                "MixedPrecisionHyperModel",
+                "loss_scale_space",
+                loss_scale_space,
+                f"given only with a float16 policy among the policies ({', '.join(policies)} "
+                "compute in float32 or bfloat16, where a loss scale does nothing)",
+            )
 
     def build(self, hp: kt.HyperParameters) -> keras.Model:
         policy = hp.Choice(POLICY_HP, self.policies)

@@ -16,7 +16,7 @@ import os
 import re
 import sys
 import tempfile
-from typing import Iterator
+from collections.abc import Iterator
 
 __all__ = ["filtered", "is_startup_noise"]
 
@@ -47,7 +47,7 @@ def filtered() -> Iterator[None]:
     except OSError:  # no descriptor 2 (embedded interpreters): nothing to do
         yield
         return
-    capture = tempfile.TemporaryFile()
+    capture = tempfile.TemporaryFile()  # noqa: SIM115 (closed below, after the fd is restored)
     python_stderr = sys.stderr
     try:
         python_uses_fd2 = python_stderr.fileno() == 2
@@ -67,8 +67,11 @@ def filtered() -> Iterator[None]:
             replacement, sys.stderr = sys.stderr, python_stderr
             replacement.close()
         capture.seek(0)
-        kept = [line for line in capture.read().decode("utf-8", "replace").splitlines()
-                if line.strip() and not is_startup_noise(line)]
+        kept = [
+            line
+            for line in capture.read().decode("utf-8", "replace").splitlines()
+            if line.strip() and not is_startup_noise(line)
+        ]
         capture.close()
         for line in kept:
             print(line, file=sys.stderr)

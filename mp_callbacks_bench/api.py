@@ -14,12 +14,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import platform
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from mp_callbacks_bench.settings import POLICIES, QUICK, BenchError, BenchSettings
 
-__all__ = ["BenchReport", "run_bench", "choose_policies"]
+__all__ = ["BenchReport", "choose_policies", "run_bench"]
 
 logger = logging.getLogger("mp_callbacks_bench")
 
@@ -58,9 +59,13 @@ class BenchReport:
         from mp_callbacks_bench.report import json_document
 
         return json_document(
-            self.results, self.skipped,
-            device=self.device, hardware=self.hardware, versions=self.versions,
-            model=self.settings.model, data=self.data,
+            self.results,
+            self.skipped,
+            device=self.device,
+            hardware=self.hardware,
+            versions=self.versions,
+            model=self.settings.model,
+            data=self.data,
             settings=dataclasses.asdict(self.settings),
         )
 
@@ -86,8 +91,9 @@ def choose_policies(
         )
     skipped = []
     if not force:
-        skipped = [{"policy": p, "reason": slow[p] + "; --force runs it anyway"}
-                   for p in policies if p in slow]
+        skipped = [
+            {"policy": p, "reason": slow[p] + "; --force runs it anyway"} for p in policies if p in slow
+        ]
         policies = [p for p in policies if p not in slow]
     return policies, skipped
 
@@ -128,8 +134,9 @@ def _check_inputs(settings: BenchSettings) -> str:
             f"samples of shape {data.input_shape}: use --model mlp"
         )
     if spec.kind != "built-in":
-        import mp_callbacks  # noqa: F401  (checks Keras's backend before Keras loads)
         import keras
+
+        import mp_callbacks  # noqa: F401  (checks Keras's backend before Keras loads)
 
         previous = keras.mixed_precision.global_policy()
         keras.mixed_precision.set_global_policy("float32")
@@ -203,8 +210,13 @@ def run_bench(
     from mp_callbacks_bench.runner import compare
     from mp_callbacks_bench.user_model import parse_model_spec
 
-    for name, value in (("epochs", epochs), ("batch_size", batch_size), ("repeats", repeats),
-                        ("train_samples", train_samples), ("test_samples", test_samples)):
+    for name, value in (
+        ("epochs", epochs),
+        ("batch_size", batch_size),
+        ("repeats", repeats),
+        ("train_samples", train_samples),
+        ("test_samples", test_samples),
+    ):
         if value is not None:
             _check_count(name, value, low=1)
     _check_count("seed", seed, low=0)
@@ -240,13 +252,17 @@ def run_bench(
         if policy != "float32" and measured.get(policy, 1.0) < 1.0:
             logger.warning(
                 "note: %s measured %.2fx of float32's speed in the probe; %s",
-                policy, measured[policy],
+                policy,
+                measured[policy],
                 "running it as asked" if policies else "it runs for the comparison",
             )
     logger.info(
         "mp-callbacks bench: model %s, %s, batch %d, policies %s; device: %s",
-        settings.model, f"{settings.epochs} epoch" + ("" if settings.epochs == 1 else "s"),
-        settings.batch_size, ", ".join(to_run), hardware.device_summary(),
+        settings.model,
+        f"{settings.epochs} epoch" + ("" if settings.epochs == 1 else "s"),
+        settings.batch_size,
+        ", ".join(to_run),
+        hardware.device_summary(),
     )
     results = compare(settings, in_subprocess=in_subprocess)
     # Runs were added where the first ones did not separate.

@@ -18,11 +18,11 @@ import json
 import logging
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from mp_callbacks_bench.settings import POLICIES, BenchError
 
-__all__ = ["main", "build_parser", "check_output_path"]
+__all__ = ["build_parser", "check_output_path", "main"]
 
 _PROG = "mp-callbacks"
 
@@ -49,9 +49,7 @@ def _policy_list(text: str) -> list[str]:
     policies = [p for p in text.split(",") if p]
     for policy in policies:
         if policy not in POLICIES:
-            raise argparse.ArgumentTypeError(
-                f"unknown policy {policy!r}: choose from {', '.join(POLICIES)}"
-            )
+            raise argparse.ArgumentTypeError(f"unknown policy {policy!r}: choose from {', '.join(POLICIES)}")
     return policies
 
 
@@ -73,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Mixed precision for Keras, measured on your own hardware.",
     )
     parser.add_argument("--version", action="version", version=f"{_PROG} {_version()}")
-    commands = parser.add_subparsers(dest="command", metavar="{bench,tune,doctor}",
-                                     parser_class=_OneLineParser)
+    commands = parser.add_subparsers(
+        dest="command", metavar="{bench,tune,doctor}", parser_class=_OneLineParser
+    )
     commands.required = True
 
     bench = commands.add_parser(
@@ -88,45 +87,68 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     bench.add_argument(
-        "--model", type=_model_spec, default=None, metavar="MODEL",
+        "--model",
+        type=_model_spec,
+        default=None,
+        metavar="MODEL",
         help="mlp (the classic MNIST 784-512-256-10 MLP), cnn (a small conv net), "
-             "MODULE:FUNCTION or path/to/file.py:FUNCTION, where FUNCTION() returns a Keras "
-             "model, compiled or not (default: mlp; cnn with --quick)")
+        "MODULE:FUNCTION or path/to/file.py:FUNCTION, where FUNCTION() returns a Keras "
+        "model, compiled or not (default: mlp; cnn with --quick)",
+    )
     bench.add_argument(
-        "--policies", nargs="+", metavar="POLICY", type=_policy_list,
+        "--policies",
+        nargs="+",
+        metavar="POLICY",
+        type=_policy_list,
         help="policies to compare (space or comma separated; default: all three, less any "
-             "the probe measures as emulated)")
+        "the probe measures as emulated)",
+    )
     bench.add_argument(
-        "--dataset", default="synthetic",
+        "--dataset",
+        default="synthetic",
         help="'synthetic' (built-in, offline; default), 'mnist' (Keras's loader) or a path "
-             "to an .npz with x_train, y_train, x_test, y_test")
+        "to an .npz with x_train, y_train, x_test, y_test",
+    )
     bench.add_argument("--epochs", type=_positive_int, default=None, help="epochs per policy (default 5)")
     bench.add_argument("--batch-size", type=_positive_int, default=128)
     bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--train-samples", type=_positive_int, default=None,
-                       help="use only the first N training samples")
-    bench.add_argument("--repeats", type=_positive_int, default=None,
-                       help="run each policy N times, alternating, and keep its fastest run "
-                            "(default 1, 2 with --quick)")
-    bench.add_argument("--quick", action="store_true",
-                       help="a preset of about a minute and a half on 2 CPU cores: cnn, 8,000 "
-                            "images, 4 epochs, 2 alternating runs per policy")
-    bench.add_argument("--force", action="store_true",
-                       help="run policies the probe measures as emulated (very slow)")
-    bench.add_argument("--no-probe", action="store_true",
-                       help="do not measure the policies' speed first; judge from CPU/GPU features")
+    bench.add_argument(
+        "--train-samples", type=_positive_int, default=None, help="use only the first N training samples"
+    )
+    bench.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=None,
+        help="run each policy N times, alternating, and keep its fastest run (default 1, 2 with --quick)",
+    )
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="a preset of about a minute and a half on 2 CPU cores: cnn, 8,000 "
+        "images, 4 epochs, 2 alternating runs per policy",
+    )
+    bench.add_argument(
+        "--force", action="store_true", help="run policies the probe measures as emulated (very slow)"
+    )
+    bench.add_argument(
+        "--no-probe",
+        action="store_true",
+        help="do not measure the policies' speed first; judge from CPU/GPU features",
+    )
     bench.add_argument("--quiet", action="store_true", help="print only the table and verdict")
     bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
     bench.add_argument("--markdown", metavar="PATH", help="write the table as Markdown")
-    bench.add_argument("--plot", metavar="PATH",
-                       help="plot epoch time, memory and accuracy per policy (.png, .svg or "
-                            ".pdf; needs matplotlib)")
+    bench.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="plot epoch time, memory and accuracy per policy (.png, .svg or .pdf; needs matplotlib)",
+    )
     bench.set_defaults(handler=_bench)
 
     tune = commands.add_parser(
         "tune",
         help="find the fastest dtype policy for a model and the layers that must stay float32, "
-             "and prove it with a measured run",
+        "and prove it with a measured run",
         description=(
             "For each mixed policy this machine does not emulate (or those given), find on "
             "the data the few layers that must compute in float32 (overflow, a share of "
@@ -137,36 +159,69 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     tune.add_argument(
-        "--model", type=_model_spec, default=None, metavar="MODEL",
+        "--model",
+        type=_model_spec,
+        default=None,
+        metavar="MODEL",
         help="as for bench: mlp, cnn, MODULE:FUNCTION or path/to/file.py:FUNCTION "
-             "(default: mlp; cnn with --quick)")
+        "(default: mlp; cnn with --quick)",
+    )
     tune.add_argument(
-        "--policies", nargs="+", metavar="POLICY", type=_policy_list,
+        "--policies",
+        nargs="+",
+        metavar="POLICY",
+        type=_policy_list,
         help="the candidates (space or comma separated); the plan is the best of these, "
-             "whatever their speed here, and float32 is timed beside them (default: float32 "
-             "and every mixed policy the probe does not measure as emulated)")
+        "whatever their speed here, and float32 is timed beside them (default: float32 "
+        "and every mixed policy the probe does not measure as emulated)",
+    )
     tune.add_argument("--dataset", default="synthetic", help="as for bench")
-    tune.add_argument("--steps", type=_positive_int, default=None,
-                      help="the most training steps of the proof, per candidate (default 200)")
-    tune.add_argument("--time-budget", type=_positive_int, default=None, metavar="SECONDS",
-                      help="stop the proof after this many seconds (after its first 5 rounds)")
+    tune.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=None,
+        help="the most training steps of the proof, per candidate (default 200)",
+    )
+    tune.add_argument(
+        "--time-budget",
+        type=_positive_int,
+        default=None,
+        metavar="SECONDS",
+        help="stop the proof after this many seconds (after its first 5 rounds)",
+    )
     tune.add_argument("--batch-size", type=_positive_int, default=128)
     tune.add_argument("--seed", type=int, default=0)
-    tune.add_argument("--train-samples", type=_positive_int, default=None,
-                      help="use only the first N training samples")
-    tune.add_argument("--tolerance", type=float, default=0.01,
-                      help="how far below float32's validation accuracy a plan may end (default 0.01)")
-    tune.add_argument("--quick", action="store_true",
-                      help="a preset of under 3 minutes on 2 CPU cores: cnn, 4,000 images, 60 steps")
-    tune.add_argument("--no-probe", action="store_true",
-                      help="do not measure the policies' speed first; judge from CPU/GPU features")
+    tune.add_argument(
+        "--train-samples", type=_positive_int, default=None, help="use only the first N training samples"
+    )
+    tune.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.01,
+        help="how far below float32's validation accuracy a plan may end (default 0.01)",
+    )
+    tune.add_argument(
+        "--quick",
+        action="store_true",
+        help="a preset of under 3 minutes on 2 CPU cores: cnn, 4,000 images, 60 steps",
+    )
+    tune.add_argument(
+        "--no-probe",
+        action="store_true",
+        help="do not measure the policies' speed first; judge from CPU/GPU features",
+    )
     tune.add_argument("--quiet", action="store_true", help="print only the plan")
-    tune.add_argument("--json", metavar="PATH", help="write the plan and its evidence as JSON "
-                                                     "(mp.PrecisionPlan.from_json reads it)")
+    tune.add_argument(
+        "--json",
+        metavar="PATH",
+        help="write the plan and its evidence as JSON (mp.PrecisionPlan.from_json reads it)",
+    )
     tune.add_argument("--markdown", metavar="PATH", help="write the plan as Markdown")
-    tune.add_argument("--plot", metavar="PATH",
-                      help="plot step time and validation metric per candidate (.png, .svg or "
-                           ".pdf; needs matplotlib)")
+    tune.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="plot step time and validation metric per candidate (.png, .svg or .pdf; needs matplotlib)",
+    )
     tune.set_defaults(handler=_tune)
 
     doctor = commands.add_parser(
@@ -179,8 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
-    doctor.add_argument("--no-probe", action="store_true",
-                        help="skip the measurement; advise from CPU/GPU features alone")
+    doctor.add_argument(
+        "--no-probe", action="store_true", help="skip the measurement; advise from CPU/GPU features alone"
+    )
     doctor.set_defaults(handler=_doctor)
     return parser
 
@@ -257,7 +313,7 @@ def _require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError as error:
-        raise BenchError("--plot needs matplotlib: pip install \"mp_callbacks[plot]\"") from error
+        raise BenchError('--plot needs matplotlib: pip install "mp_callbacks[plot]"') from error
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -294,8 +350,17 @@ def _bench(args: argparse.Namespace) -> int:
     if args.json:
         _write(args.json, report.to_json(), failures)
     if args.markdown:
-        text = "\n".join([report.header, "", report.table(markdown=True), "",
-                          *format_skipped(report.skipped), f"verdict: {report.verdict}", ""])
+        text = "\n".join(
+            [
+                report.header,
+                "",
+                report.table(markdown=True),
+                "",
+                *format_skipped(report.skipped),
+                f"verdict: {report.verdict}",
+                "",
+            ]
+        )
         _write(args.markdown, text, failures)
     if args.plot:
         try:
@@ -319,9 +384,16 @@ def _tune(args: argparse.Namespace) -> int:
 
     policies = [p for group in args.policies for p in group] if args.policies else None
     plan = run_tune(
-        args.model, policies=policies, dataset=args.dataset, steps=args.steps,
-        time_budget=args.time_budget, batch_size=args.batch_size, seed=args.seed,
-        train_samples=args.train_samples, tolerance=args.tolerance, quick=args.quick,
+        args.model,
+        policies=policies,
+        dataset=args.dataset,
+        steps=args.steps,
+        time_budget=args.time_budget,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        train_samples=args.train_samples,
+        tolerance=args.tolerance,
+        quick=args.quick,
         probe=not args.no_probe,
     )
     print(plan)
@@ -329,9 +401,22 @@ def _tune(args: argparse.Namespace) -> int:
     if args.json:
         _write(args.json, plan.to_json(), failures)
     if args.markdown:
-        text = "\n".join([f"# Precision plan: {plan.policy}", "", "```text", plan.table(), "```", "",
-                          *(f"- {reason}" for reason in plan.reasons), "", "```python", plan.code,
-                          "```", ""])
+        text = "\n".join(
+            [
+                f"# Precision plan: {plan.policy}",
+                "",
+                "```text",
+                plan.table(),
+                "```",
+                "",
+                *(f"- {reason}" for reason in plan.reasons),
+                "",
+                "```python",
+                plan.code,
+                "```",
+                "",
+            ]
+        )
         _write(args.markdown, text, failures)
     if args.plot:
         try:

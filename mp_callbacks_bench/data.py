@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Dataset", "DatasetError", "synthetic_digits", "load_mnist", "load_dataset"]
+__all__ = ["Dataset", "DatasetError", "load_dataset", "load_mnist", "synthetic_digits"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +53,18 @@ class Dataset:
     def input_shape(self) -> tuple[int, ...]:
         return tuple(self.x_train.shape[1:])
 
-    def take(self, train: int | None = None, test: int | None = None) -> "Dataset":
+    def take(self, train: int | None = None, test: int | None = None) -> Dataset:
         """The first `train` / `test` samples (all when None)."""
         if train is None and test is None:
             return self
-        return Dataset(self.x_train[:train], self.y_train[:train], self.x_test[:test],
-                       self.y_test[:test], self.name, self.source)
+        return Dataset(
+            self.x_train[:train],
+            self.y_train[:train],
+            self.x_test[:test],
+            self.y_test[:test],
+            self.name,
+            self.source,
+        )
 
 
 def _strokes(rng: np.random.Generator, size: int, count: int) -> np.ndarray:
@@ -69,9 +75,7 @@ def _strokes(rng: np.random.Generator, size: int, count: int) -> np.ndarray:
         end = rng.uniform(6, size - 6, 2)
         for t in np.linspace(0.0, 1.0, 24):
             cy, cx = start + t * (end - start)
-            canvas = np.maximum(
-                canvas, np.exp(-((yy - cy) ** 2 + (xx - cx) ** 2) / 2.5)
-            )
+            canvas = np.maximum(canvas, np.exp(-((yy - cy) ** 2 + (xx - cx) ** 2) / 2.5))
     return canvas
 
 
@@ -95,17 +99,14 @@ def synthetic_digits(
     # are confusable under shifts and noise, as handwritten digits are.
     shared = _strokes(rng, size, 2)
     templates = np.stack(
-        [np.maximum(shared, _strokes(rng, size, int(rng.integers(1, 3))))
-         for _ in range(num_classes)]
+        [np.maximum(shared, _strokes(rng, size, int(rng.integers(1, 3)))) for _ in range(num_classes)]
     )
 
     def sample(count: int) -> tuple[np.ndarray, np.ndarray]:
         labels = rng.integers(0, num_classes, count)
         images = templates[labels]
         shifts = rng.integers(-2, 3, (count, 2))
-        images = np.stack(
-            [np.roll(img, tuple(shift), axis=(0, 1)) for img, shift in zip(images, shifts)]
-        )
+        images = np.stack([np.roll(img, tuple(shift), axis=(0, 1)) for img, shift in zip(images, shifts)])
         images = images * rng.uniform(0.6, 1.0, (count, 1, 1))
         images = images + rng.normal(0.0, 0.35, images.shape)
         return np.clip(images, 0.0, 1.0).astype(np.float32), labels.astype(np.int64)
@@ -113,7 +114,11 @@ def synthetic_digits(
     x_train, y_train = sample(n_train)
     x_test, y_test = sample(n_test)
     return Dataset(
-        x_train, y_train, x_test, y_test, SYNTHETIC,
+        x_train,
+        y_train,
+        x_test,
+        y_test,
+        SYNTHETIC,
         f"built-in synthetic digits (28x28, {num_classes} classes, generated offline, seed {seed})",
     )
 
@@ -133,8 +138,7 @@ def load_mnist(allow_download: bool = True, timeout: float = 20.0) -> Dataset:
     cached = os.path.exists(_mnist_cache_path())
     if not cached and not allow_download:
         raise DatasetError(
-            f"MNIST is not in Keras's cache ({_mnist_cache_path()}) and "
-            "downloading was not allowed."
+            f"MNIST is not in Keras's cache ({_mnist_cache_path()}) and downloading was not allowed."
         )
     import keras
 
@@ -151,8 +155,10 @@ def load_mnist(allow_download: bool = True, timeout: float = 20.0) -> Dataset:
     finally:
         socket.setdefaulttimeout(previous_timeout)
     return Dataset(
-        x_train.astype(np.float32) / 255.0, y_train.astype(np.int64),
-        x_test.astype(np.float32) / 255.0, y_test.astype(np.int64),
+        x_train.astype(np.float32) / 255.0,
+        y_train.astype(np.int64),
+        x_test.astype(np.float32) / 255.0,
+        y_test.astype(np.int64),
         MNIST,
         "MNIST (keras.datasets.mnist" + (", from cache)" if cached else ", downloaded)"),
     )
@@ -201,8 +207,7 @@ def _load_npz(path: str) -> Dataset:
             )
         if not np.issubdtype(y.dtype, np.integer) or y.min() < 0:
             raise DatasetError(
-                f"{path}: y_{split} must hold non-negative integer class labels; "
-                f"got dtype {y.dtype}."
+                f"{path}: y_{split} must hold non-negative integer class labels; got dtype {y.dtype}."
             )
     if arrays["x_train"].shape[1:] != arrays["x_test"].shape[1:]:
         raise DatasetError(
@@ -214,8 +219,10 @@ def _load_npz(path: str) -> Dataset:
     if np.issubdtype(arrays["x_train"].dtype, np.integer):
         x_train, x_test = x_train / 255.0, x_test / 255.0
     return Dataset(
-        x_train, arrays["y_train"].astype(np.int64),
-        x_test, arrays["y_test"].astype(np.int64),
+        x_train,
+        arrays["y_train"].astype(np.int64),
+        x_test,
+        arrays["y_test"].astype(np.int64),
         os.path.basename(path),
         f"{path} (samples of shape {x_train.shape[1:]})",
     )
@@ -232,9 +239,7 @@ def load_dataset(name: str, seed: int = 0, allow_download: bool = True) -> Datas
         if not os.path.isfile(name):
             raise DatasetError(f"{name}: no such file.")
         return _load_npz(name)
-    raise DatasetError(
-        f"unknown dataset {name!r}: use 'synthetic', 'mnist' or a path to an .npz file."
-    )
+    raise DatasetError(f"unknown dataset {name!r}: use 'synthetic', 'mnist' or a path to an .npz file.")
 
 
 def mnist_or_synthetic(seed: int = 0) -> Dataset:

@@ -66,9 +66,11 @@ def estimate_step_memory(model, batch_size: int) -> dict[str, Any]:
     weights = _variable_bytes(model.weights)
     gradients = _variable_bytes(model.trainable_weights)
     optimizer = getattr(model, "optimizer", None)
-    slots = _variable_bytes(
-        [v for v in getattr(optimizer, "variables", []) if len(v.shape) > 0]
-    ) if optimizer is not None else 0
+    slots = (
+        _variable_bytes([v for v in getattr(optimizer, "variables", []) if len(v.shape) > 0])
+        if optimizer is not None
+        else 0
+    )
     activations = _activation_bytes(model, batch_size)
     parts = {
         "weights": weights / _MB,

@@ -7,13 +7,14 @@ softmax, as mixed precision requires.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+
+import keras
 
 import mp_callbacks  # noqa: F401  (checks Keras's backend before Keras loads)
-import keras
 from mp_callbacks import MixedPrecisionModel
 
-__all__ = ["build_mlp", "build_cnn", "MODELS"]
+__all__ = ["MODELS", "build_cnn", "build_mlp"]
 
 
 def build_mlp(

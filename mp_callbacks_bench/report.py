@@ -8,16 +8,17 @@ Pure functions of the rows: no training, no TensorFlow. A row is a dict as
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 __all__ = [
-    "MIN_SPEEDUP",
     "MAX_ACCURACY_DROP",
-    "format_table",
+    "MIN_SPEEDUP",
     "format_skipped",
-    "verdict",
+    "format_table",
     "json_document",
     "plot_results",
+    "verdict",
 ]
 
 # The same threshold as the hardware advisor's (mp_callbacks.hardware).
@@ -70,8 +71,10 @@ def format_table(results: Sequence[dict[str, Any]], markdown: bool = False) -> s
             cells.append("-" if value is None else fmt.format(value))
         rows.append(cells)
     if markdown:
-        lines = ["| " + " | ".join(headers) + " |",
-                 "|" + "|".join(["---"] + ["---:"] * (len(headers) - 1)) + "|"]
+        lines = [
+            "| " + " | ".join(headers) + " |",
+            "|" + "|".join(["---"] + ["---:"] * (len(headers) - 1)) + "|",
+        ]
         lines += ["| " + " | ".join(row) + " |" for row in rows]
         return "\n".join(lines)
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
@@ -130,7 +133,8 @@ def verdict(results: Sequence[dict[str, Any]]) -> tuple[str | None, str]:
             low, high = paired.quartiles
             objections.append(
                 f"{policy} ran at {low:.2f}x to {high:.2f}x float32's speed over {paired.rounds} "
-                f"alternating runs: {'slower' if paired.verdict == 'slower' else 'a tie'}")
+                f"alternating runs: {'slower' if paired.verdict == 'slower' else 'a tie'}"
+            )
         elif speedup < MIN_SPEEDUP:
             slower = " (slower)" if speedup < 1.0 else ""
             objections.append(f"{policy} ran at {speedup:.2f}x float32's speed{slower}")
@@ -195,34 +199,52 @@ def plot_results(results: Sequence[dict[str, Any]], path: str, title: str = "") 
 
     times = [r.get("epoch_time") or 0.0 for r in results]
     time_errors = [
-        [t - (r.get("epoch_time_min") if r.get("epoch_time_min") is not None else t) for t, r in zip(times, results)],
-        [(r.get("epoch_time_max") if r.get("epoch_time_max") is not None else t) - t for t, r in zip(times, results)],
+        [
+            t - (r.get("epoch_time_min") if r.get("epoch_time_min") is not None else t)
+            for t, r in zip(times, results)
+        ],
+        [
+            (r.get("epoch_time_max") if r.get("epoch_time_max") is not None else t) - t
+            for t, r in zip(times, results)
+        ],
     ]
     time_axis.bar(positions, times, yerr=time_errors, capsize=6, color="tab:blue")
     time_axis.set_ylabel("epoch time (s): best run; bars: range over runs")
     time_axis.set_title("epoch time (lower is better)")
     for index, result in enumerate(results):
         if result.get("speedup"):
-            time_axis.annotate(f"{result['speedup']:.2f}x", (index, times[index]),
-                               ha="center", va="bottom", xytext=(0, 8), textcoords="offset points")
+            time_axis.annotate(
+                f"{result['speedup']:.2f}x",
+                (index, times[index]),
+                ha="center",
+                va="bottom",
+                xytext=(0, 8),
+                textcoords="offset points",
+            )
 
     width = 0.4
     estimates = [_estimate(r) or 0.0 for r in results]
     peaks = [r.get("peak_memory_mb") or 0.0 for r in results]
-    memory_axis.bar([p - width / 2 for p in positions], estimates, width, label="step, estimated",
-                    color="tab:orange")
-    memory_axis.bar([p + width / 2 for p in positions], peaks, width, label="peak, measured",
-                    color="tab:gray")
+    memory_axis.bar(
+        [p - width / 2 for p in positions], estimates, width, label="step, estimated", color="tab:orange"
+    )
+    memory_axis.bar(
+        [p + width / 2 for p in positions], peaks, width, label="peak, measured", color="tab:gray"
+    )
     memory_axis.set_ylabel("MB")
     memory_axis.set_title("memory")
     memory_axis.legend()
 
     accuracies = [100 * (r.get("accuracy") or 0.0) for r in results]
     accuracy_errors = [
-        [a - 100 * (r.get("accuracy_min") if r.get("accuracy_min") is not None else a / 100)
-         for a, r in zip(accuracies, results)],
-        [100 * (r.get("accuracy_max") if r.get("accuracy_max") is not None else a / 100) - a
-         for a, r in zip(accuracies, results)],
+        [
+            a - 100 * (r.get("accuracy_min") if r.get("accuracy_min") is not None else a / 100)
+            for a, r in zip(accuracies, results)
+        ],
+        [
+            100 * (r.get("accuracy_max") if r.get("accuracy_max") is not None else a / 100) - a
+            for a, r in zip(accuracies, results)
+        ],
     ]
     accuracy_axis.bar(positions, accuracies, yerr=accuracy_errors, capsize=6, color="tab:green")
     accuracy_axis.set_ylabel("validation accuracy (%)")

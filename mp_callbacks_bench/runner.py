@@ -19,13 +19,14 @@ import tempfile
 from dataclasses import asdict
 from typing import Any
 
-import mp_callbacks  # noqa: F401  (checks Keras's backend before Keras loads)
 import keras
 import tensorflow as tf
+
+import mp_callbacks  # noqa: F401  (checks Keras's backend before Keras loads)
 from mp_callbacks_bench._native_stderr import is_startup_noise
 from mp_callbacks_bench.settings import BenchError, BenchSettings
 
-__all__ = ["compare", "run_policy", "run_in_subprocess"]
+__all__ = ["compare", "run_in_subprocess", "run_policy"]
 
 logger = logging.getLogger("mp_callbacks_bench")
 
@@ -59,9 +60,13 @@ class _ProgressLine(keras.callbacks.Callback):
         nan = float("nan")
         logger.info(
             "  %-15s epoch %d/%s: %.2f s, loss %.4f, accuracy %.3f, loss scale %g",
-            self.policy, epoch + 1, self.params.get("epochs"),
-            logs.get("epoch_time", nan), logs.get("loss", nan),
-            logs.get("accuracy", nan), logs.get("loss_scale", nan),
+            self.policy,
+            epoch + 1,
+            self.params.get("epochs"),
+            logs.get("epoch_time", nan),
+            logs.get("loss", nan),
+            logs.get("accuracy", nan),
+            logs.get("loss_scale", nan),
         )
 
 
@@ -86,9 +91,12 @@ def run_policy(policy: str, settings: BenchSettings) -> dict[str, Any]:
     if not settings.quiet:
         callbacks.append(_ProgressLine(policy))
     history = model.fit(
-        data.x_train, data.y_train,
-        batch_size=settings.batch_size, epochs=settings.epochs,
-        callbacks=callbacks, verbose=0,
+        data.x_train,
+        data.y_train,
+        batch_size=settings.batch_size,
+        epochs=settings.epochs,
+        callbacks=callbacks,
+        verbose=0,
     )
     evaluation = model.evaluate(
         data.x_test, data.y_test, batch_size=settings.batch_size, verbose=0, return_dict=True
@@ -126,8 +134,14 @@ def run_in_subprocess(policy: str, settings: BenchSettings) -> dict[str, Any]:
         result_path = os.path.join(directory, "result.json")
         # The parent's import path goes along, so that a user's model module
         # importable here (a notebook's sys.path included) is importable there.
-        request = json.dumps({"policy": policy, "settings": asdict(settings), "out": result_path,
-                              "sys_path": [p for p in sys.path if p]})
+        request = json.dumps(
+            {
+                "policy": policy,
+                "settings": asdict(settings),
+                "out": result_path,
+                "sys_path": [p for p in sys.path if p],
+            }
+        )
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
         # The child's stderr is read here line by line: TensorFlow's C++
         # start-up lines are dropped (TF_CPP_MIN_LOG_LEVEL does not silence

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BenchError", "BenchSettings", "QUICK", "POLICIES", "BUILT_IN_MODELS"]
+__all__ = ["BUILT_IN_MODELS", "POLICIES", "QUICK", "BenchError", "BenchSettings"]
 
 # The same tuple as mp_callbacks.hardware.POLICIES (a test keeps them equal);
 # repeated here because importing that module starts TensorFlow.
@@ -47,5 +47,11 @@ class BenchSettings:
 # CNN (where mixed precision pays most), 8,000 images, 4 epochs (3 warm),
 # each policy run twice in alternation so that a burst of machine noise
 # cannot decide the table alone.
-QUICK = dict(model="cnn", epochs=4, train_samples=8000, test_samples=2000, repeats=2,
-             max_repeats=4)
+QUICK = {
+    "model": "cnn",
+    "epochs": 4,
+    "train_samples": 8000,
+    "test_samples": 2000,
+    "repeats": 2,
+    "max_repeats": 4,
+}

@@ -10,16 +10,17 @@ benchmark model spec and dataset, with bench's checks before any training.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from mp_callbacks_bench.settings import POLICIES, BenchError, BenchSettings
 
-__all__ = ["run_tune", "plot_plan", "QUICK_TUNE"]
+__all__ = ["QUICK_TUNE", "plot_plan", "run_tune"]
 
 logger = logging.getLogger("mp_callbacks_bench")
 
 #: `tune --quick`: the CNN on 4,000 built-in images, 60 proof steps.
-QUICK_TUNE = dict(model="cnn", train_samples=4000, test_samples=1000, steps=60)
+QUICK_TUNE = {"model": "cnn", "train_samples": 4000, "test_samples": 1000, "steps": 60}
 
 
 def run_tune(
@@ -53,27 +54,42 @@ def run_tune(
         if policy not in POLICIES:
             raise BenchError(f"unknown policy {policy!r}: choose from {', '.join(POLICIES)}")
     settings = BenchSettings(
-        policies=list(policies or POLICIES), model=text, dataset=dataset, batch_size=batch_size,
-        seed=seed, train_samples=train_samples or preset.get("train_samples"),
+        policies=list(policies or POLICIES),
+        model=text,
+        dataset=dataset,
+        batch_size=batch_size,
+        seed=seed,
+        train_samples=train_samples or preset.get("train_samples"),
         test_samples=test_samples or preset.get("test_samples"),
     )
     _check_inputs(settings)
     data = load_dataset(dataset, seed=seed, allow_download=False)
     data = data.take(settings.train_samples, settings.test_samples)
     if spec.kind == "built-in":
-        build, build_args = f"mp_callbacks_bench.reference_models:build_{spec.target}", [
-            list(data.input_shape), data.num_classes]
+        build, build_args = (
+            f"mp_callbacks_bench.reference_models:build_{spec.target}",
+            [list(data.input_shape), data.num_classes],
+        )
     else:
         build, build_args = spec.text, []
     hardware = mp.inspect_hardware(measure=probe and not policies)
-    logger.info("mp-callbacks tune: model %s on %s; device: %s", text, data.description,
-                hardware.device_summary())
+    logger.info(
+        "mp-callbacks tune: model %s on %s; device: %s", text, data.description, hardware.device_summary()
+    )
     try:
         return mp.autotune(
-            build, data.x_train, data.y_train, validation_data=(data.x_test, data.y_test),
-            policies=list(policies) if policies else None, steps=steps or preset.get("steps"),
-            time_budget=time_budget, tolerance=tolerance, batch_size=batch_size,
-            build_args=build_args, hardware=hardware, seed=seed,
+            build,
+            data.x_train,
+            data.y_train,
+            validation_data=(data.x_test, data.y_test),
+            policies=list(policies) if policies else None,
+            steps=steps or preset.get("steps"),
+            time_budget=time_budget,
+            tolerance=tolerance,
+            batch_size=batch_size,
+            build_args=build_args,
+            hardware=hardware,
+            seed=seed,
         )
     except (ValueError, TypeError, RuntimeError) as error:
         raise BenchError(str(error).splitlines()[0]) from error
@@ -101,8 +117,14 @@ def plot_plan(plan: Any, path: str) -> None:
         if candidate.get("speedup"):
             spread = candidate.get("speedup_range")
             label = f"{candidate['speedup']:.2f}x" + (f"\n{spread[0]:.2f}-{spread[1]:.2f}" if spread else "")
-            time_axis.annotate(label, (index, times[index]), ha="center", va="bottom",
-                               xytext=(0, 4), textcoords="offset points")
+            time_axis.annotate(
+                label,
+                (index, times[index]),
+                ha="center",
+                va="bottom",
+                xytext=(0, 4),
+                textcoords="offset points",
+            )
     metrics = [c.get("metric") or 0.0 for c in candidates]
     metric_axis.bar(positions, metrics, color=colors)
     metric_axis.set_title(f"validation {candidates[0].get('metric_name', '')}")

@@ -12,12 +12,13 @@ import importlib
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from mp_callbacks_bench.settings import BUILT_IN_MODELS, BenchError
 
-__all__ = ["ModelSpec", "parse_model_spec", "build_model", "check_model_fits_data"]
+__all__ = ["ModelSpec", "build_model", "check_model_fits_data", "parse_model_spec"]
 
 
 @dataclass(frozen=True)
@@ -40,9 +41,7 @@ def parse_model_spec(text: str) -> ModelSpec:
         return ModelSpec(text, "built-in", text)
     target, colon, function = text.rpartition(":")
     if not colon or not target or not function.isidentifier():
-        raise BenchError(
-            f"--model {text}: use mlp, cnn, MODULE:FUNCTION or path/to/file.py:FUNCTION"
-        )
+        raise BenchError(f"--model {text}: use mlp, cnn, MODULE:FUNCTION or path/to/file.py:FUNCTION")
     if target.endswith(".py") or os.sep in target or "/" in target:
         return ModelSpec(text, "file", target, function)
     if not all(part.isidentifier() for part in target.split(".")):
@@ -64,8 +63,7 @@ def _import_target(spec: ModelSpec):
             module_spec.loader.exec_module(module)
         except Exception as error:
             raise BenchError(
-                f"--model {spec.text}: importing {spec.target} failed: "
-                f"{type(error).__name__}: {error}"
+                f"--model {spec.text}: importing {spec.target} failed: {type(error).__name__}: {error}"
             ) from error
         finally:
             sys.path.remove(os.path.dirname(path))
@@ -145,9 +143,8 @@ def build_model(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int)
 def check_model_fits_data(model, spec: ModelSpec, x, num_classes: int) -> None:
     """Raises BenchError, in one line, unless the model takes samples of
     `x`'s shape and gives one score per class to each (sparse labels)."""
-    import numpy as np
-
     import keras
+    import numpy as np
 
     import mp_callbacks  # noqa: F401  (checks Keras's backend first)
 
@@ -163,8 +160,7 @@ def check_model_fits_data(model, spec: ModelSpec, x, num_classes: int) -> None:
         ) from error
     if isinstance(output, (list, tuple, dict)):
         raise BenchError(
-            f"--model {spec.text}: the model has several outputs; bench needs one output of "
-            f"class scores"
+            f"--model {spec.text}: the model has several outputs; bench needs one output of class scores"
         )
     shape = tuple(output.shape)
     if len(shape) != 2 or shape[-1] < num_classes:
