@@ -130,5 +130,9 @@ def float32_copy(model: keras.Model) -> keras.Model:
             layer_config["config"]["dtype"] = float32
     plain = keras.Sequential if isinstance(model, keras.Sequential) else keras.Model
     clone = plain.from_config(config)
+    if plain is keras.Model and not keras.tree.is_nested(model.input) and keras.tree.is_nested(clone.input):
+        # Keras 3.10's config round trip turns a single input into a list of one,
+        # and the exported signature with it.
+        clone = keras.Model(clone.inputs[0], clone.output, name=clone.name)
     clone.set_weights(model.get_weights())
     return clone
