@@ -88,7 +88,7 @@ def count_device_reads():
             return function(*args, **kwargs)
         return wrapper
 
-    cls = loss_scale.DynamicLossScale
+    cls = loss_scale.LossScaler
     for name in ("diagnostics", "get_scale", "nonfinite_gradient_counts"):
         setattr(cls, name, counted(getattr(cls, name)))
     timer = epoch_timer.EpochTimer

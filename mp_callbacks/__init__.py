@@ -2,7 +2,8 @@
 
 Public API:
 
-* `DynamicLossScale`: the loss-scale state machine (usable alone).
+* `LossScaler`: the loss scale (dynamic, fixed or none) and the skip of
+  non-finite steps, usable alone.
 * `MixedPrecisionModel`: a `keras.Model` whose `train_step` scales the loss,
   skips non-finite steps and reports `loss_scale`, `grad_norm` and
   `skipped_steps` in the training logs.
@@ -31,7 +32,7 @@ from mp_callbacks.errors import MixedPrecisionWarning, NonFiniteGradientError, U
 from mp_callbacks.float32_layers import float32_copy, with_float32_layers
 from mp_callbacks.hardware import POLICIES, inspect_hardware, recommend_policy
 from mp_callbacks.headroom_monitor import HeadroomMonitor
-from mp_callbacks.loss_scale import DynamicLossScale
+from mp_callbacks.loss_scale import LossScaler
 from mp_callbacks.loss_scale_monitor import LossScaleMonitor
 from mp_callbacks.loss_scale_optimizer import LossScaleOptimizer
 from mp_callbacks.model import LOG_KEYS, MixedPrecisionModel
@@ -42,15 +43,22 @@ from mp_callbacks.speed_comparison import SpeedComparison
 
 __version__ = _package_version()
 
+
+def __getattr__(name: str):  # deprecated spellings, with a warning
+    from mp_callbacks.loss_scale import renamed
+
+    return renamed(name, __name__)
+
+
 __all__ = [
     "LOG_KEYS",
     "POLICIES",
-    "DynamicLossScale",
     "EpochTimer",
     "Finding",
     "HeadroomMonitor",
     "LossScaleMonitor",
     "LossScaleOptimizer",
+    "LossScaler",
     "MixedPrecisionModel",
     "MixedPrecisionWarning",
     "NaNGradientMonitor",

@@ -82,7 +82,7 @@ def build_model(
     pinned layers in float32 and the initial loss scale, compiled (Adam,
     sparse categorical cross-entropy and accuracy when it was not)."""
     from mp_callbacks._backend import keras
-    from mp_callbacks.loss_scale import DynamicLossScale
+    from mp_callbacks.loss_scale import LossScaler
     from mp_callbacks.model import MixedPrecisionModel
     from mp_callbacks.precision_plan import pin_float32
     from mp_callbacks.tuner import policy_scope
@@ -110,7 +110,7 @@ def build_model(
             }
         model.compile(**compile_config)
         if isinstance(model, MixedPrecisionModel) and initial_scale is not None:
-            model.set_loss_scale(DynamicLossScale(initial_scale=float(initial_scale)))
+            model.set_loss_scale(LossScaler(initial_scale=float(initial_scale)))
     return model
 
 

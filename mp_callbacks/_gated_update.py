@@ -1,42 +1,29 @@
 """An optimizer step that takes effect only where a predicate holds, without a `tf.cond`.
 
-Skipping a step by putting `optimizer.apply` inside `tf.cond(all_finite, ...)`,
-as Keras's own `LossScaleOptimizer` does, costs every healthy step several
-percent on CPUs with few threads: the whole update then waits behind the
-cond's switches (`benchmarks/skip_mechanics.py` measures it). Here the update
-runs unconditionally instead, gated write by write with a scalar `Select`,
-which forwards one of its inputs without copying: an increment
-(`assign_add`, `assign_sub`) to a small variable picks between itself and a
-zero and is applied in place, as Keras applies it (adding -0.0 and
-subtracting +0.0 leave every value, -0.0 included, as it was); an overwrite,
-or an increment to a large variable, picks between the new and the old
-value, and the assign adopts that buffer. Healthy steps do stock Keras's
-memory traffic plus one `Select` per write, and a skipped step leaves every
-variable bit for bit as it was.
+Contract of `gated_apply(optimizer, apply, predicate)`: `apply()` (the
+optimizer's update) runs unconditionally; where `predicate` is True every
+variable ends as the update alone would leave it, where it is False every
+variable the optimizer writes (weights, slots, iteration count) is bit for
+bit as it was. It returns False, adding nothing to the step, when the update
+changes state in a way that cannot be gated; the caller then uses the
+`tf.cond` (`_skip.apply_or_skip` chooses).
 
-A sparse increment (SGD's update of an Embedding) is the exception when the
-caller passes `forward_done`, a scalar computed from the loss: an
-Embedding's gradient is the last one backpropagation produces, so a write
-that waited for the decision would be the tail of every step. It waits for
-`forward_done` instead, and the rows it touches are read before it and put
-back on a skip. Dense writes are not made early: measured, it bought
-nothing once the sparse tail was gone, and each would need its own gate.
+How: each write the optimizer makes through its `assign`, `assign_add` and
+`assign_sub`, its weight decay and its iteration counter is gated by a
+scalar `Select`, which forwards one input without copying. An increment to
+a small variable picks itself or a zero and is applied in place (adding
+-0.0 or subtracting +0.0 changes no value); an overwrite, or an increment to
+a large variable, picks the new or the old value. With `forward_done` (a
+scalar computed from the loss), a sparse increment is written as soon as its
+gradient exists, gated on it, and the rows it touches are read first and put
+back on a skip (`rows_to_put_back`).
 
-Why through data, and never a control edge: ordering a write after the
-forward pass's reads by control edges alone is not safe. Grappler's
-dependency optimizer drops a control edge when another path implies it,
-and a later constant folding can replace that path's `Shape` op by a
-constant, leaving the read and the write unordered; under `fit` a forward
-pass then read the value its own step had just written.
-
-This only holds if every write goes through the routes gated here: the
-optimizer's `assign`, `assign_add` and `assign_sub` (which Keras's built-in
-optimizers use for all their updates, and which must be Keras's own),
-Keras's weight decay, and the iteration counter. The update is therefore traced into a nested function
-first and its graph inspected; an optimizer that changes state any other way
-(a custom `update_step` that writes a variable directly, constraints, EMA,
-gradient accumulation, a random op) is reported as not gatable, nothing is
-added to the step, and the caller falls back to the `tf.cond`.
+Every write is ordered after the forward pass's reads through data (the
+gate), never by a control edge alone, which Grappler may drop. The update is
+traced into a nested function first and its graph inspected, so that a
+write by any other route (a custom `update_step` assigning a variable,
+constraints, EMA, gradient accumulation, a random op) is detected. Why
+without a cond, and what was measured: docs/design.md.
 """
 
 from __future__ import annotations
@@ -51,11 +38,9 @@ from mp_callbacks._keras_internals import replaced_on_instance, tf_optimizer_cla
 
 __all__ = ["gated_apply"]
 
-# Increments of at most this many elements are gated against a shared zero
-# and applied in place, which saves two ops per write; larger ones pick
-# between the new and the old value, since a zero that large is filled anew
-# on every step (Grappler does not fold large fills), which costs more than
-# those ops (ResNet50's convolution kernels: about 3 % of a step).
+# Increments up to this size are gated against a shared zero and applied in
+# place; a larger zero would be filled anew every step, costing more than the
+# two ops saved (benchmarks/step_overhead.py --model resnet50).
 _IN_PLACE_MAX_ELEMENTS = 1 << 16
 
 # Stateful ops that only read state: they may appear anywhere in the update.
@@ -152,12 +137,9 @@ class _GatedWrites:
         if self.forward_done is None:
             gate = self.predicate
         else:
-            # Not waiting for the decision: an Embedding's gradient comes
-            # last, so its update would otherwise be the step's tail. The
-            # rows it touches are read first and put back on a skip. The
-            # gate on `forward_done` keeps the write after every read of
-            # the forward pass as data, which Grappler cannot reorder (it
-            # can drop the control edge that orders them).
+            # Not waiting for the decision: an Embedding's gradient comes last,
+            # so its update would be the step's tail (step_overhead.py, the
+            # Transformer). The gate orders it after the forward pass's reads.
             gate = self.forward_done
             target = _tf_variable(variable)
             self.rows_to_put_back.append((target, value.indices, target.sparse_read(value.indices)))

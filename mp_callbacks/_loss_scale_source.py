@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mp_callbacks._backend import keras
-from mp_callbacks.loss_scale import DynamicLossScale
+from mp_callbacks.loss_scale import LossScaler
 
 __all__ = ["LossScaleSource", "find_scaler", "read_variable"]
 
@@ -23,15 +23,15 @@ def read_variable(variable: Any) -> Any:
     return value.numpy() if hasattr(value, "numpy") else variable.numpy()
 
 
-def _held_scale(value: Any) -> DynamicLossScale | None:
-    if isinstance(value, DynamicLossScale):
+def _held_scale(value: Any) -> LossScaler | None:
+    if isinstance(value, LossScaler):
         return value
     held = getattr(value, "scaler", None)  # mp_callbacks.LossScaleOptimizer
-    return held if isinstance(held, DynamicLossScale) else None
+    return held if isinstance(held, LossScaler) else None
 
 
-def find_scaler(model: Any) -> DynamicLossScale | None:
-    """The `DynamicLossScale` a model trains with, wherever it is kept:
+def find_scaler(model: Any) -> LossScaler | None:
+    """The `LossScaler` a model trains with, wherever it is kept:
     `model.scaler` (a `MixedPrecisionModel`'s), the model's
     `mp_callbacks.LossScaleOptimizer`, or any attribute of the model that
     holds one (a hand-written `train_step`'s `self.scaler`, or an
@@ -58,10 +58,10 @@ class LossScaleSource:
     """Where a model's loss scale lives.
 
     Attributes:
-        kind: `"mp"` (a `DynamicLossScale` that scales the loss: see
+        kind: `"mp"` (a `LossScaler` that scales the loss: see
             `find_scaler`), `"keras"` (Keras's own `LossScaleOptimizer`)
             or `"none"`.
-        scaler: the `DynamicLossScale` driving the steps, also when it
+        scaler: the `LossScaler` driving the steps, also when it
             does not scale (it still counts and skips non-finite steps),
             for example a `train_step` of your own that never scales its
             loss.
@@ -69,7 +69,7 @@ class LossScaleSource:
     """
 
     kind: str
-    scaler: Any = None  # a DynamicLossScale, or None
+    scaler: Any = None  # a LossScaler, or None
     optimizer: Any = None
 
     @classmethod

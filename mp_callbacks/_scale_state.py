@@ -42,7 +42,7 @@ __all__ = [
     "validated_updates",
 ]
 
-_OWNER = "DynamicLossScale"
+_OWNER = "LossScaler"
 
 #: The smallest loss scale accepted anywhere (fixed, initial, min or max):
 #: 2**-24, float16's smallest positive value. Far below it, a loss of order
@@ -50,7 +50,7 @@ _OWNER = "DynamicLossScale"
 MIN_LOSS_SCALE = 2.0**-24
 #: The largest fixed scale given as a plain number: a fixed scale cannot
 #: back off, so one that overflows does so on every step. A
-#: `DynamicLossScale` takes any float32 scale.
+#: `LossScaler` takes any float32 scale.
 MAX_FIXED_LOSS_SCALE = 2.0**64
 SCALE_REQUIREMENT = "a finite number >= 2**-24 (5.96e-08)"
 FIXED_SCALE_REQUIREMENT = "a number from 2**-24 (5.96e-08) to 2**64 (1.84e+19) when it is a fixed scale"
@@ -77,7 +77,7 @@ def check_fixed_scale(owner: str, argument: str, value: Any) -> float:
 
 @dataclass(frozen=True)
 class ScaleSettings:
-    """The state machine's settings, checked (see `DynamicLossScale`)."""
+    """The state machine's settings, checked (see `LossScaler`)."""
 
     initial_scale: float
     growth_interval: int

@@ -1,7 +1,7 @@
 """`StepRecord`: what one training step did with its loss scale.
 
 A `MixedPrecisionModel` opens one record around every training step,
-its own or a subclass's `train_step`, on the model's `DynamicLossScale`.
+its own or a subclass's `train_step`, on the model's `LossScaler`.
 While it is open, the scale notes the losses the step computed and scaled,
 whether gradients were unscaled by hand, and the outcome of every apply
 (applied or skipped, gradient norm); the model then advances the state
@@ -26,7 +26,7 @@ class StepRecord:
 
     Attributes:
         losses: the unscaled losses the step computed (`compute_loss`) or
-            scaled (`DynamicLossScale.scale`, `LossScaleOptimizer.scale_loss`
+            scaled (`LossScaler.scale`, `LossScaleOptimizer.scale_loss`
             or `get_scaled_loss`).
         loss_scaled: True once a loss was multiplied by the scale.
         unscaled_by_hand: True when the step called `unscale` itself since

@@ -229,8 +229,9 @@ def autotune(
             "path/to/file.py:function" naming one; or a model instance,
             which is copied under each policy (its layers with a policy of
             their own, such as a float32 head, keep it).
-        x, y: training data (NumPy arrays): batches for the layer diagnosis
-            and for the proof run.
+        x: training inputs (a NumPy array): batches for the layer
+            diagnosis and for the proof run.
+        y: training targets (a NumPy array). Defaults to None.
         validation_data: `(x_val, y_val)` for the proof's validation metric.
             Defaults to None: the last fifth of `x`, `y`.
         policies: the candidates. Defaults to None: float32 and every mixed

@@ -321,11 +321,14 @@ def diagnose_batch(
     """Replays one batch layer by layer and reports where precision fails.
 
     Args:
-        model: a built Keras model (functional, Sequential or subclassed;
-            compiled, for the backward pass).
-        x, y, sample_weight: the batch, as for `model.fit`.
-        loss_scale: the loss scale of the backward pass; by default the
-            model's current one (1.0 when it does not scale).
+        model: `keras.Model`. A built model (functional, Sequential or
+            subclassed; compiled, for the backward pass).
+        x: the batch's inputs, as for `model.fit`.
+        y: the batch's targets. Defaults to None.
+        sample_weight: the batch's sample weights. Defaults to None.
+        loss_scale: float or None. The loss scale of the backward pass.
+            Defaults to None: the model's current one (1.0 when it does
+            not scale).
 
     Returns:
         A `PrecisionReport`; `str(report)` is a table.

@@ -37,10 +37,15 @@ class EpochTimer(MixedPrecisionCallback):
     left out rather than wrong). Works on any `keras.Model`.
 
     Args:
-        time_validation: also log the validation time as `val_time`.
-            Defaults to False.
-        batch_size: samples per step, for a stock model whose sample count
-            cannot be read (a custom `train_step`). Defaults to None.
+        time_validation: bool. Also log the validation time as `val_time`.
+            Defaults to `False`.
+        batch_size: int or None. Samples per step, for a stock model whose
+            sample count cannot be read (a custom `train_step`). Defaults to
+            None.
+
+    Raises:
+        ValueError: `batch_size` is not a positive integer.
+        TypeError: an argument of the wrong type (a string for a number).
 
     Attributes:
         records: one dict per epoch: `epoch`, `epoch_time`, `steps`,

@@ -26,9 +26,9 @@ def with_float32_layers(model: keras.Model, names: Iterable[str]) -> keras.Model
     `MixedPrecisionModel` stays one, with the same loss-scale settings.
 
     Args:
-        model: a functional or Sequential model (a `MixedPrecisionModel`
-            built functionally included).
-        names: names of top-level layers, for example
+        model: `keras.Model`. A functional or Sequential model (a
+            `MixedPrecisionModel` built functionally included).
+        names: iterable of str. Names of top-level layers, for example
             `report.float32_layers` from `diagnose_batch`.
 
     Example:
@@ -96,8 +96,8 @@ def float32_copy(model: keras.Model) -> keras.Model:
     `export()`.
 
     Args:
-        model: a functional or Sequential model (a `MixedPrecisionModel`
-            included).
+        model: `keras.Model`. A functional or Sequential model (a
+            `MixedPrecisionModel` included).
 
     Returns:
         The float32 copy.

@@ -432,7 +432,7 @@ def _add_warnings(report: HardwareReport) -> None:
             report.warnings.append(
                 "mixed_float16 needs loss scaling or small gradients underflow to zero: "
                 "MixedPrecisionModel does it in fit(); hand-written loops need "
-                "mp_callbacks.LossScaleOptimizer or DynamicLossScale."
+                "mp_callbacks.LossScaleOptimizer or LossScaler."
             )
         if not report.cuda_build:
             report.warnings.append(
@@ -464,12 +464,16 @@ def inspect_hardware(
     measurement, with advice.
 
     Args:
-        measure: run the probe (`measure_policy_speed`, once per process;
-            about a second plus TensorFlow's start). False gives the
-            hardware rules' advice alone.
-        cpu, gpus: describe another machine instead of this one.
-        speed: a measurement to use instead of probing (a `PolicySpeed`
-            or a mapping policy -> ratio to float32).
+        measure: bool. Run the probe (once per process; about a second
+            plus TensorFlow's start). False gives the hardware rules'
+            advice alone. Defaults to `True`.
+        cpu: `CpuInfo` or None. Describe another machine's CPU instead of
+            this one's. Defaults to None.
+        gpus: list of `GPUInfo` or None. Describe another machine's GPUs.
+            Defaults to None.
+        speed: `PolicySpeed`, mapping or None. A measurement to use
+            instead of probing (policy -> speed relative to float32).
+            Defaults to None.
     """
     build = tf.sysconfig.get_build_info()
     if speed is not None and not isinstance(speed, PolicySpeed):
@@ -497,5 +501,12 @@ def recommend_policy(measure: bool = True) -> str:
     The first call with `measure=True` runs the probe (about a second); the
     measurement is kept for the rest of the process. `measure=False` applies
     the hardware rules alone, at no cost.
+
+    Args:
+        measure: bool. Measure each policy's speed on this machine.
+            Defaults to `True`.
+
+    Returns:
+        The policy name, for `keras.mixed_precision.set_global_policy`.
     """
     return inspect_hardware(measure=measure).recommended_policy

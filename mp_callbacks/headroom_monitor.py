@@ -55,17 +55,23 @@ class HeadroomMonitor(MixedPrecisionCallback):
     be so, not called an overflow.
 
     Args:
-        probe: the probe inputs (what `model(probe)` accepts), a few samples.
-        every_n_steps: probe every this many training steps. Defaults to
-            1000; each probe is one forward pass of the probe batch.
-        warn_above: warn when a float16 layer uses more than this share of
-            float16's range (0 < warn_above <= 1). Defaults to 0.5.
-        layers: names of the layers to log. Defaults to None: every layer
-            that computes in float16 (other dtypes have float32's range).
-        target: the model to run the probe through: None (default) for the
-            model being trained, or the name of one of its attributes (or a
-            model) for a model without `call()`, such as a GAN's
-            `"generator"`.
+        probe: array, tensor or structure of them. The probe inputs (what
+            `model(probe)` accepts), a few samples.
+        every_n_steps: int >= 1. Probe every this many training steps; each
+            probe is one forward pass of the probe batch. Defaults to `1000`.
+        warn_above: float in (0, 1]. Warn when a float16 layer uses more
+            than this share of float16's range. Defaults to `0.5`.
+        layers: list of str or None. Names of the layers to log. Defaults to
+            None: every layer that computes in float16 (other dtypes have
+            float32's range).
+        target: str, `keras.Model` or None. The model to run the probe
+            through: the name of one of the trained model's attributes, or a
+            model, for a model without `call()` such as a GAN (`"generator"`).
+            Defaults to None: the model being trained.
+
+    Raises:
+        ValueError: an argument out of its range (named, with the value).
+        TypeError: an argument of the wrong type (a string for a number).
 
     Attributes:
         history: one `{"epoch", "step", "headroom": {layer: share}}` record

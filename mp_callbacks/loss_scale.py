@@ -1,4 +1,4 @@
-"""`DynamicLossScale`: dynamic loss scaling, usable alone or by the model.
+"""`LossScaler`: dynamic loss scaling, usable alone or by the model.
 
 One object holds the loss scale and its counters in TensorFlow variables and
 makes the one decision a mixed-precision step needs: were all gradients
@@ -13,8 +13,8 @@ gradient check and the decision (`mp_callbacks._gradient_check`), and the
 mechanism that applies or skips an update (`mp_callbacks._skip`).
 
 A fixed scale is the degenerate machine with `min_scale == max_scale`
-(`DynamicLossScale.fixed(128.0)`); no scaling is the fixed scale 1.0
-(`DynamicLossScale.disabled()`). Both still skip non-finite steps, since a
+(`LossScaler.fixed(128.0)`); no scaling is the fixed scale 1.0
+(`LossScaler.disabled()`). Both still skip non-finite steps, since a
 NaN update would destroy the weights.
 """
 
@@ -58,7 +58,7 @@ __all__ = [
     "MIN_LOSS_SCALE",
     "STATE_VARIABLES",
     "CheckedGradients",
-    "DynamicLossScale",
+    "LossScaler",
     "check_fixed_scale",
     "check_scale",
 ]
@@ -69,7 +69,7 @@ _ONLY_FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
 # The hot-path methods branch only on Python values; AutoGraph has nothing
 # to convert there, and some TensorFlow releases mis-convert them.
 _no_autograph = tf.autograph.experimental.do_not_convert
-_OWNER = "DynamicLossScale"
+_OWNER = "LossScaler"
 _THREAD_STATE = threading.local()
 
 
@@ -93,25 +93,42 @@ class _Untracked:
 
 
 @keras.saving.register_keras_serializable(package="mp_callbacks")
-class DynamicLossScale(tf.Module):
-    """Dynamic loss scaling for mixed-precision training.
+class LossScaler(tf.Module):
+    """The loss scale of mixed-precision training, and the skip of
+    non-finite steps: dynamic by default, fixed with `LossScaler.fixed(s)`,
+    none with `LossScaler.disabled()` (non-finite steps are skipped in
+    every case).
+
+    After `growth_interval` finite steps in a row the scale grows by
+    `growth_factor` (up to `max_scale`); an overflow spends one unit of
+    `hysteresis` and, once that is spent, backs the scale off by
+    `backoff_factor` (down to `min_scale`).
 
     Args:
-        initial_scale: the scale to start from. A high value is best: a
-            scale that is too high is lowered in a few skipped steps, one that
-            is too low is raised only every `growth_interval` steps.
-        growth_interval: number of consecutive finite steps after which the
-            scale grows.
-        growth_factor: factor (> 1) by which the scale grows.
-        backoff_factor: factor in (0, 1) by which the scale shrinks after
-            an overflow.
-        min_scale: the scale never falls below this.
-        max_scale: the scale never grows above this. All three scales are at
-            least 2**-24: below it, gradients underflow to zero.
-        hysteresis: number of overflowing steps tolerated before backing off
-            (Megatron-LM and DeepSpeed's `hysteresis`); 1 backs off on every
-            overflow.
-        name: name of the TensorFlow module holding the variables.
+        initial_scale: float. The scale to start from. A high value is
+            best: a scale that is too high is lowered in a few skipped
+            steps, one that is too low is raised only every
+            `growth_interval` steps. Defaults to `2**15`.
+        growth_interval: int. Consecutive finite steps after which the
+            scale grows. Defaults to `2000`.
+        growth_factor: float > 1. Factor by which the scale grows.
+            Defaults to `2.0`.
+        backoff_factor: float in (0, 1). Factor by which the scale shrinks
+            after an overflow. Defaults to `0.5`.
+        min_scale: float. The scale never falls below this. Defaults to
+            `1.0`.
+        max_scale: float. The scale never grows above this. Defaults to
+            `2**24`. All three scales are at least 2**-24: below it,
+            gradients underflow to zero.
+        hysteresis: int >= 1. Overflowing steps tolerated before backing
+            off (Megatron-LM's and DeepSpeed's `hysteresis`); 1 backs off
+            on every overflow. Defaults to `1`.
+        name: str. Name of the TensorFlow module holding the variables.
+            Defaults to `"dynamic_loss_scale"`.
+
+    Raises:
+        ValueError: an argument out of its range (named, with the value).
+        TypeError: an argument of the wrong type (a bool, a string).
 
     The variables are created when the object is made; under a
     `tf.distribute` strategy, make it inside `strategy.scope()`.
@@ -120,11 +137,11 @@ class DynamicLossScale(tf.Module):
 
     ```python
     import keras, tensorflow as tf
-    from mp_callbacks import DynamicLossScale
+    from mp_callbacks import LossScaler
 
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     optimizer = keras.optimizers.SGD(0.1)
-    loss_scale = DynamicLossScale(initial_scale=2.0**10)
+    loss_scale = LossScaler(initial_scale=2.0**10)
 
     @tf.function
     def train_step(x, y):
@@ -191,12 +208,12 @@ class DynamicLossScale(tf.Module):
 
     # ------------------------------------------------------------------ config
     @classmethod
-    def fixed(cls, scale: float, name: str = "fixed_loss_scale") -> DynamicLossScale:
+    def fixed(cls, scale: float, name: str = "fixed_loss_scale") -> LossScaler:
         """A constant loss scale (still skips non-finite steps)."""
         return cls(initial_scale=scale, min_scale=scale, max_scale=scale, name=name)
 
     @classmethod
-    def disabled(cls, name: str = "no_loss_scale") -> DynamicLossScale:
+    def disabled(cls, name: str = "no_loss_scale") -> LossScaler:
         """No loss scaling: scale 1.0, non-finite steps still skipped."""
         return cls.fixed(1.0, name=name)
 
@@ -223,14 +240,14 @@ class DynamicLossScale(tf.Module):
         }
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> DynamicLossScale:
+    def from_config(cls, config: dict[str, Any]) -> LossScaler:
         return cls(**config)
 
     def __repr__(self) -> str:
         if not self.is_dynamic:
-            return f"DynamicLossScale.fixed({self.initial_scale!r})"
+            return f"LossScaler.fixed({self.initial_scale!r})"
         return (
-            f"DynamicLossScale(initial_scale={self.initial_scale!r}, "
+            f"LossScaler(initial_scale={self.initial_scale!r}, "
             f"growth_interval={self.growth_interval}, "
             f"hysteresis={self.hysteresis})"
         )
@@ -374,8 +391,14 @@ class DynamicLossScale(tf.Module):
 
     @_no_autograph
     def check_gradients(self, grads: Sequence[Any]) -> CheckedGradients:
-        """One pass over `grads`: which hold inf or NaN, and their global
-        norm (see `mp_callbacks._gradient_check.check_gradients`)."""
+        """One pass over `grads` (a list of tensors, `IndexedSlices` or None):
+        which hold inf or NaN, and their global norm.
+
+        Returns:
+            A `CheckedGradients` with `all_finite` (a boolean scalar
+            tensor), `flags` (one per gradient) and `global_norm`; pass it
+            to `apply_gradients(checked=...)` so the pass is not made twice.
+        """
         return check_gradients(grads)
 
     @_no_autograph
@@ -407,34 +430,40 @@ class DynamicLossScale(tf.Module):
         once, or let the calls do it on the first step.
 
         Args:
-            optimizer: a Keras optimizer. A `LossScaleOptimizer` is
+            optimizer: `keras.optimizers.Optimizer`. A `LossScaleOptimizer` is
                 unwrapped: its inner optimizer applies the gradients
                 (Keras's own, which `compile` adds under `mixed_float16`,
                 with a `MixedPrecisionWarning`: it would unscale them a
                 second time). A `loss_scale_factor` set on the optimizer is
                 cleared, with a warning, for the same reason.
-            grads: unscaled gradients, one per variable (None allowed).
-            variables: the variables the gradients belong to.
-            loss: the unscaled loss the gradients come from, or None
-                (default; inside a `MixedPrecisionModel`'s step, the losses
-                the step computed or scaled). A non-finite loss counts as
+            grads: list of tensors. Unscaled gradients, one per variable
+                (None allowed).
+            variables: list of variables the gradients belong to.
+            loss: scalar tensor or None. The unscaled loss the gradients
+                come from. Defaults to None (inside a
+                `MixedPrecisionModel`'s step: the losses the step computed
+                or scaled). A non-finite loss counts as
                 divergence for `NaNGradientMonitor`, and sparse writes wait
                 for it.
-            restore_on_skip: `(variable, value)` pairs assigned back when
+            restore_on_skip: list of `(variable, value)` pairs assigned back when
                 the step is skipped: state that the forward pass already
                 changed, such as BatchNormalization's moving statistics,
                 read before the forward pass. Nothing is assigned on an
                 applied step. Defaults to none.
-            update: advance the state machine now (True), or leave it to
-                one `update()` call after every optimizer of the step
-                (False). None (default): False inside a
+            update: bool or None. Advance the state machine now (True), or
+                leave it to one `update()` call after every optimizer of the
+                step (False). Defaults to None: False inside a
                 `MixedPrecisionModel`'s training step, True elsewhere.
-            checked: the result of `check_gradients(grads)`, when the caller
-                already made that pass: it is not made twice. Defaults to
-                None (the pass is made here).
+            checked: `CheckedGradients` or None. The result of
+                `check_gradients(grads)`, when the caller already made that
+                pass: it is not made twice. Defaults to None (the pass is
+                made here).
 
         Returns:
             A boolean scalar tensor: True if the gradients were applied.
+
+        Raises:
+            TypeError: `optimizer` is not a Keras optimizer.
 
         Under a `tf.distribute` strategy call it inside `strategy.run`: the
         finiteness of every replica's gradients is all-reduced, so all
@@ -446,15 +475,16 @@ class DynamicLossScale(tf.Module):
         `loss`, a sparse increment (SGD on an Embedding) does not wait for
         the decision: it is written once the loss is known to be finite,
         and the rows it touched are put back on a skip. An update that
-        writes state in ways that cannot be gated (see
-        `mp_callbacks._gated_update`) is put in a `tf.cond` instead.
+        writes state in ways that cannot be gated (a custom `update_step`
+        assigning a variable directly, weight constraints, `use_ema`,
+        gradient accumulation) is put in a `tf.cond` instead; the design
+        notes of the documentation say why and how this is checked.
         """
         grads = list(grads)
         variables = list(variables)
         if len(grads) != len(variables):
             raise ValueError(
-                "DynamicLossScale.apply_gradients: got "
-                f"{len(grads)} gradients for {len(variables)} variables."
+                f"LossScaler.apply_gradients: got {len(grads)} gradients for {len(variables)} variables."
             )
         optimizer = self._plain_optimizer(optimizer)
         record = self._record
@@ -474,7 +504,7 @@ class DynamicLossScale(tf.Module):
         replica_context = tf.distribute.get_replica_context()
         if replica_context is None:
             raise RuntimeError(
-                "DynamicLossScale.apply_gradients must run in a replica "
+                "LossScaler.apply_gradients must run in a replica "
                 "context: call it inside `strategy.run(...)`."
             )
         replicas = replica_context.num_replicas_in_sync
@@ -539,7 +569,7 @@ class DynamicLossScale(tf.Module):
                 self._warn_once(
                     optimizer,
                     (
-                        f"DynamicLossScale.apply_gradients got a LossScaleOptimizer with its own loss "
+                        f"LossScaler.apply_gradients got a LossScaleOptimizer with its own loss "
                         f"scale ({optimizer.scaler!r}); this one decides the step and its "
                         "inner optimizer applies it, so that scale does not move."
                     ),
@@ -549,7 +579,7 @@ class DynamicLossScale(tf.Module):
             self._warn_once(
                 optimizer,
                 (
-                    "DynamicLossScale.apply_gradients got Keras's LossScaleOptimizer, which "
+                    "LossScaler.apply_gradients got Keras's LossScaleOptimizer, which "
                     "compile() puts around the optimizer under mixed_float16 and which would "
                     "unscale these gradients a second time. Its inner optimizer applies them "
                     "instead. Compile with auto_scale_loss=False (or use MixedPrecisionModel) "
@@ -564,8 +594,8 @@ class DynamicLossScale(tf.Module):
             self._warn_once(
                 optimizer,
                 (
-                    f"DynamicLossScale.apply_gradients: the optimizer's loss_scale_factor={factor!r} "
-                    "is cleared: the gradients are unscaled by this DynamicLossScale, and Keras "
+                    f"LossScaler.apply_gradients: the optimizer's loss_scale_factor={factor!r} "
+                    "is cleared: the gradients are unscaled by this LossScaler, and Keras "
                     "would divide them by the factor again."
                 ),
             )
@@ -593,7 +623,7 @@ class DynamicLossScale(tf.Module):
         """
         if not self._pending:
             raise RuntimeError(
-                "DynamicLossScale.update() was called without a pending step: call "
+                "LossScaler.update() was called without a pending step: call "
                 "apply_gradients(optimizer, grads, variables, update=False) for each "
                 "optimizer first, then update() once."
             )
@@ -751,26 +781,47 @@ class DynamicLossScale(tf.Module):
             variable.assign(value)
 
 
+# Models saved before the rename name the class by its old registered name.
+keras.saving.get_custom_objects()["mp_callbacks>DynamicLossScale"] = LossScaler
+
+
+def renamed(name: str, module: str, stacklevel: int = 3) -> Any:
+    """The class behind a name this module used to have, with a DeprecationWarning."""
+    if name == "DynamicLossScale":
+        warnings.warn(
+            "mp_callbacks.DynamicLossScale is now mp_callbacks.LossScaler (the same class); "
+            "the old name will be removed in 0.2.",
+            DeprecationWarning,
+            stacklevel=stacklevel,
+        )
+        return LossScaler
+    raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+
+def __getattr__(name: str) -> Any:
+    return renamed(name, __name__)
+
+
 AUTO = "auto"
 
 
-def loss_scale_from_argument(value: Any, owner: str = "MixedPrecisionModel") -> DynamicLossScale | None:
-    """Turns a `loss_scale` argument into a DynamicLossScale.
+def loss_scale_from_argument(value: Any, owner: str = "MixedPrecisionModel") -> LossScaler | None:
+    """Turns a `loss_scale` argument into a LossScaler.
 
     Accepts "auto" (returns None: the model decides at compile), None (no
-    scaling), a DynamicLossScale, its config dict, or a number in
+    scaling), a LossScaler, its config dict, or a number in
     [2**-24, 2**64] (a fixed scale); anything else raises naming `loss_scale` and `owner`."""
-    requirement = "'auto', a DynamicLossScale, a number in [2**-24, 2**64] (fixed scale) or None (no scaling)"
+    requirement = "'auto', a LossScaler, a number in [2**-24, 2**64] (fixed scale) or None (no scaling)"
     if isinstance(value, str):
         if value != AUTO:
             fail(owner, "loss_scale", value, requirement)
         return None
     if value is None:
-        return DynamicLossScale.disabled()
-    if isinstance(value, DynamicLossScale):
+        return LossScaler.disabled()
+    if isinstance(value, LossScaler):
         return value
     if isinstance(value, dict) and value:
         return keras.saving.deserialize_keras_object(value)
     if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
-        return DynamicLossScale.fixed(check_fixed_scale(owner, "loss_scale", value))
+        return LossScaler.fixed(check_fixed_scale(owner, "loss_scale", value))
     fail(owner, "loss_scale", value, requirement, TypeError)

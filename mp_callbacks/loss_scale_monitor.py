@@ -31,7 +31,7 @@ class LossScaleMonitor(MixedPrecisionCallback):
     `TensorBoard` and keras-tuner objectives placed after it see it), and
     `skipped_steps` too when the model does not report it already. Works
     with `MixedPrecisionModel` (its own `train_step` or yours), with any
-    model whose hand-written `train_step` keeps a `DynamicLossScale` in an
+    model whose hand-written `train_step` keeps a `LossScaler` in an
     attribute (whatever its name) or trains through
     `mp_callbacks.LossScaleOptimizer`, and with a stock `keras.Model` whose
     optimizer is Keras's `LossScaleOptimizer`. Where no loss is scaled
@@ -48,12 +48,19 @@ class LossScaleMonitor(MixedPrecisionCallback):
     has their scales.
 
     Args:
-        every_n_steps: also record the scale every N training steps (one
-            host read each time); None records once per epoch.
-        collapse_threshold: warn when the scale falls below this, on top
-            of reaching the loss scale's own minimum; None: minimum only.
-        max_skipped_fraction: warn when the fraction of skipped steps in an
-            epoch is above this (0 warns on any skipped step).
+        every_n_steps: int or None. Also record the scale every N training
+            steps (one host read each time). Defaults to None: once per
+            epoch.
+        collapse_threshold: float or None. Warn when the scale falls below
+            this, on top of reaching the loss scale's own minimum. Defaults
+            to None: the minimum only.
+        max_skipped_fraction: float in [0, 1]. Warn when the fraction of
+            skipped steps in an epoch is above this (0 warns on any skipped
+            step). Defaults to `0.05`.
+
+    Raises:
+        ValueError: an argument out of its range (named, with the value).
+        TypeError: an argument of the wrong type (a string for a number).
 
     Attributes:
         history: list of `{"epoch", "step", "loss_scale"}` records.
@@ -268,7 +275,7 @@ class LossScaleMonitor(MixedPrecisionCallback):
                 f"{counted:g} of {steps} steps ({fraction:.0%}) "
                 f"were skipped in epoch {epoch + 1}{also} because their gradients were "
                 f"non-finite (limit {self.max_skipped_fraction:.0%}). Try: a lower "
-                "initial loss scale or hysteresis=2 (DynamicLossScale(initial_scale="
+                "initial loss scale or hysteresis=2 (LossScaler(initial_scale="
                 f"..., hysteresis=2)); {_ADVICE}.",
                 MixedPrecisionWarning,
                 stacklevel=2,

@@ -1,4 +1,4 @@
-"""`LossScaleOptimizer`: tf.keras's and Keras 3's loss-scaling optimizer on `DynamicLossScale`.
+"""`LossScaleOptimizer`: tf.keras's and Keras 3's loss-scaling optimizer on `LossScaler`.
 
 Two contracts meet in one class:
 
@@ -13,7 +13,7 @@ Two contracts meet in one class:
 An apply therefore unscales the gradients unless they were unscaled by
 `get_unscaled_gradients` since the last apply. Either way the step is
 skipped when a gradient is not finite, and the scale moves as
-`DynamicLossScale` describes. It subclasses Keras's `LossScaleOptimizer`,
+`LossScaler` describes. It subclasses Keras's `LossScaleOptimizer`,
 so Keras (`compile` under `mixed_float16`, `TensorBoard`, `SwapEMAWeights`)
 treats it as one and never wraps it a second time.
 """
@@ -28,7 +28,7 @@ from typing import Any
 from mp_callbacks._backend import keras, tf
 from mp_callbacks._validation import check_int, fail
 from mp_callbacks.errors import MixedPrecisionWarning, UnsupportedArgumentError
-from mp_callbacks.loss_scale import DynamicLossScale, check_fixed_scale, loss_scale_from_argument
+from mp_callbacks.loss_scale import LossScaler, check_fixed_scale, loss_scale_from_argument
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -48,7 +48,7 @@ _BASE_DEFAULTS = {
     "loss_scale_factor": None,
     "gradient_accumulation_steps": None,
 }
-# DynamicLossScale settings beyond tf.keras's, and their defaults.
+# LossScaler settings beyond tf.keras's, and their defaults.
 _EXTRA_SETTINGS = {
     "growth_factor": 2.0,
     "backoff_factor": 0.5,
@@ -84,26 +84,40 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     tf.keras and the Keras 3 ways of using one.
 
     Takes tf.keras's signature, so that TF 2.x code runs with only its
-    import changed, and `DynamicLossScale`'s finer settings as keywords.
+    import changed, and `LossScaler`'s finer settings as keywords.
 
     Args:
-        inner_optimizer: the Keras optimizer that applies the updates. Its
+        inner_optimizer: `keras.optimizers.Optimizer` that applies the updates. Its
             own `loss_scale_factor` is cleared (as Keras's wrapper does),
             since the gradients would otherwise be unscaled twice.
-        dynamic: True (default) for a dynamic loss scale; False for a
-            fixed one, which needs `initial_scale`.
-        initial_scale: the starting (or, with `dynamic=False`, the fixed)
-            scale. Defaults to 2**15 for a dynamic scale.
-        dynamic_growth_steps: finite steps between growths, an integer
-            (2.0 is taken as 2). Defaults to 2000; only for a dynamic
+        dynamic: bool. True for a dynamic loss scale; False for a fixed
+            one, which needs `initial_scale`. Defaults to `True`.
+        initial_scale: float or None. The starting (or, with
+            `dynamic=False`, the fixed) scale. Defaults to None: `2**15`
+            for a dynamic scale.
+        dynamic_growth_steps: int or None. Finite steps between growths
+            (2.0 is taken as 2). Defaults to None: 2000; only for a dynamic
             scale. `growth_interval` is the same setting.
-        growth_interval, growth_factor, backoff_factor, min_scale,
-        max_scale, hysteresis: keywords, as for `DynamicLossScale`.
-        loss_scale: instead of the arguments above, a ready
-            `DynamicLossScale`, its config dict, or a number in
+        growth_interval: int or None. As for `LossScaler` (the same setting
+            as `dynamic_growth_steps`). Defaults to None: 2000.
+        growth_factor: float or None. As for `LossScaler`. Defaults to
+            None: 2.0.
+        backoff_factor: float or None. As for `LossScaler`. Defaults to
+            None: 0.5.
+        min_scale: float or None. As for `LossScaler`. Defaults to None:
+            1.0.
+        max_scale: float or None. As for `LossScaler`. Defaults to None:
+            2**24.
+        hysteresis: int or None. As for `LossScaler`. Defaults to None: 1.
+        loss_scale: `LossScaler`, dict, float or None. Instead of the arguments above, a ready
+            `LossScaler`, its config dict, or a number in
             [2**-24, 2**64] (a fixed scale, as is `initial_scale` with
             `dynamic=False`). Defaults to None.
-        name: optimizer name. Defaults to None.
+        name: str or None. The optimizer's name. Defaults to None.
+        **kwargs: a base optimizer's argument (`clipnorm`, ...), accepted
+            at its default only (set it on the inner optimizer, which
+            applies the updates); any other keyword raises
+            `UnsupportedArgumentError`.
 
     Raises:
         TypeError: `inner_optimizer` is not a Keras optimizer, or is a
@@ -119,7 +133,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     `dynamic_counter` and `step_counter` (the finite-step counter
     variable), `loss_scale` (the current scale, a float32 tensor),
     `dynamic_scale` (the variable holding it). Also `scaler`,
-    the `DynamicLossScale` doing the work, and `get_scale()`, the current
+    the `LossScaler` doing the work, and `get_scale()`, the current
     scale as a Python float. `learning_rate`, `use_ema` and `ema_momentum`
     are the inner optimizer's, read and set through the wrapper; any other
     attribute is the wrapper's own (`AttributeError` if it has none).
@@ -170,7 +184,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         min_scale: float | None = None,
         max_scale: float | None = None,
         hysteresis: int | None = None,
-        loss_scale: DynamicLossScale | dict | float | None = None,
+        loss_scale: LossScaler | dict | float | None = None,
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
@@ -218,7 +232,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     @classmethod
     def for_model(
-        cls, inner_optimizer: keras.optimizers.Optimizer, loss_scale: DynamicLossScale
+        cls, inner_optimizer: keras.optimizers.Optimizer, loss_scale: LossScaler
     ) -> LossScaleOptimizer:
         """The optimizer a `MixedPrecisionModel` with its own `train_step`
         trains through: `inner_optimizer` with the model's `loss_scale`,
@@ -229,11 +243,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         wrapper._saves_loss_scale = False
         return wrapper
 
-    def _wrap(
-        self, inner: keras.optimizers.Optimizer, loss_scale: DynamicLossScale, name: str | None
-    ) -> None:
+    def _wrap(self, inner: keras.optimizers.Optimizer, loss_scale: LossScaler, name: str | None) -> None:
         # Keras's LossScaleOptimizer.__init__ makes its own scale variables;
-        # this class keeps its state in the DynamicLossScale instead.
+        # this class keeps its state in the LossScaler instead.
         keras.optimizers.Optimizer.__init__(self, learning_rate=0.0, name=name)
         if inner.loss_scale_factor is not None:
             logger.info(
@@ -489,7 +501,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def get_config(self) -> dict[str, Any]:
         """Keras 3's layout (`name`, `inner_optimizer`, `initial_scale`,
         `dynamic_growth_steps`), plus `dynamic=False` for a fixed scale and
-        any `DynamicLossScale` setting that is not its default."""
+        any `LossScaler` setting that is not its default."""
         config: dict[str, Any] = {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
@@ -560,8 +572,8 @@ def _loss_scale_from_settings(
     dynamic_growth_steps: Any,
     loss_scale: Any,
     keywords: dict[str, Any],
-) -> DynamicLossScale:
-    """The DynamicLossScale that tf.keras's arguments (and the keywords)
+) -> LossScaler:
+    """The LossScaler that tf.keras's arguments (and the keywords)
     describe, refusing contradictions with a message naming them."""
     if dynamic_growth_steps is not None:
         if not dynamic:
@@ -590,7 +602,7 @@ def _loss_scale_from_settings(
             )
         return _loss_scale_from_argument(loss_scale)
     if dynamic:
-        return DynamicLossScale(**given)
+        return LossScaler(**given)
     if initial_scale is None:
         raise ValueError(
             '"initial_scale" must be specified if "dynamic" is False: it is the fixed '
@@ -602,20 +614,20 @@ def _loss_scale_from_settings(
         raise ValueError(
             f"{_OWNER}: {', '.join(extra)} only apply to a dynamic loss scale, but dynamic=False."
         )
-    return DynamicLossScale.fixed(check_fixed_scale(_OWNER, "initial_scale", initial_scale))
+    return LossScaler.fixed(check_fixed_scale(_OWNER, "initial_scale", initial_scale))
 
 
-def _loss_scale_from_argument(value: Any) -> DynamicLossScale:
+def _loss_scale_from_argument(value: Any) -> LossScaler:
     if isinstance(value, str) or (isinstance(value, dict) and not value):
         fail(
             _OWNER,
             "loss_scale",
             value,
-            "a DynamicLossScale, its config dict, or a number in [2**-24, 2**64] (fixed scale)",
+            "a LossScaler, its config dict, or a number in [2**-24, 2**64] (fixed scale)",
             ValueError if isinstance(value, (str, dict)) else TypeError,
         )
     if isinstance(value, dict):
-        return DynamicLossScale.from_config(value)
+        return LossScaler.from_config(value)
     result = loss_scale_from_argument(value, owner=_OWNER)
     assert result is not None  # only "auto" gives None, refused above
     return result

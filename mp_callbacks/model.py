@@ -30,7 +30,7 @@ from mp_callbacks._keras_internals import (
 )
 from mp_callbacks._step_record import StepRecord
 from mp_callbacks.errors import MixedPrecisionWarning
-from mp_callbacks.loss_scale import AUTO, DynamicLossScale, loss_scale_from_argument
+from mp_callbacks.loss_scale import AUTO, LossScaler, loss_scale_from_argument
 from mp_callbacks.loss_scale_optimizer import LossScaleOptimizer
 from mp_callbacks.model_checks import check_model
 
@@ -212,12 +212,20 @@ class MixedPrecisionModel(keras.Model):
     `MixedPrecisionModel.from_model(model)`.
 
     Args:
-        loss_scale: `"auto"` (default): dynamic loss scaling when the model
-            computes in float16 (`mixed_float16`), none otherwise (bfloat16
-            has float32's range). A `DynamicLossScale` for full control; a
-            number in [2**-24, 2**64] for a fixed scale; None for no
-            scaling. Non-finite steps are skipped in every case.
-        *args, **kwargs: as for `keras.Model`.
+        loss_scale: `"auto"`, `LossScaler`, float or None. `"auto"`:
+            dynamic loss scaling when the model computes in float16
+            (`mixed_float16`), none otherwise (bfloat16 has float32's
+            range). A `LossScaler` for full control; a number in
+            [2**-24, 2**64] for a fixed scale; None for no scaling.
+            Non-finite steps are skipped in every case. Defaults to
+            `"auto"`.
+        *args: as for `keras.Model` (`inputs`, `outputs`).
+        **kwargs: as for `keras.Model` (`inputs`, `outputs`, `name`).
+
+    Raises:
+        ValueError: `loss_scale` is a string other than `"auto"`, or a
+            number outside [2**-24, 2**64].
+        TypeError: `loss_scale` is of another type.
 
     `compile` never scales twice: a `keras.mixed_precision.LossScaleOptimizer`
     passed to it (the TF 2.x recipe) is unwrapped, its initial scale and
@@ -251,7 +259,7 @@ class MixedPrecisionModel(keras.Model):
     outputs = keras.layers.Dense(10, activation="softmax", dtype="float32")(hidden)
     model = MixedPrecisionModel(inputs, outputs)
     model.compile("adam", "sparse_categorical_crossentropy")
-    print(model.scaler)  # DynamicLossScale.fixed(1.0)
+    print(model.scaler)  # LossScaler.fixed(1.0)
     # bfloat16 has float32's range: no scaling, but non-finite steps are
     # still skipped. history = model.fit(x, y) logs history.history[
     # "loss_scale"], ["grad_norm"] and ["skipped_steps"].
@@ -264,7 +272,7 @@ class MixedPrecisionModel(keras.Model):
         if own_step is not None and not getattr(own_step, "_mp_accounted", False):
             setattr(cls, "train_step", _accounted(own_step))  # noqa: B010 (a method, set on the class)
 
-    _loss_scale: Any  # a DynamicLossScale once compiled (None before, for "auto")
+    _loss_scale: Any  # a LossScaler once compiled (None before, for "auto")
 
     def __init__(self, *args: Any, loss_scale: Any = _AUTO, **kwargs: Any) -> None:
         if functional_init_arguments(args, kwargs):
@@ -333,8 +341,8 @@ class MixedPrecisionModel(keras.Model):
 
     # ---------------------------------------------------------- loss scale
     @property
-    def scaler(self) -> DynamicLossScale | None:
-        """The `DynamicLossScale` in use (None until `compile` resolves
+    def scaler(self) -> LossScaler | None:
+        """The `LossScaler` in use (None until `compile` resolves
         `loss_scale="auto"`)."""
         return self._loss_scale
 
@@ -352,10 +360,10 @@ class MixedPrecisionModel(keras.Model):
             for layer in self._flatten_layers(include_self=False)
         )
 
-    def _auto_loss_scale(self) -> DynamicLossScale:
+    def _auto_loss_scale(self) -> LossScaler:
         if self._computes_in_float16():
-            return DynamicLossScale()
-        return DynamicLossScale.disabled()
+            return LossScaler()
+        return LossScaler.disabled()
 
     def _inner_optimizer(self) -> Any:
         optimizer = self.optimizer
@@ -441,13 +449,13 @@ class MixedPrecisionModel(keras.Model):
             adopted, given_wrapper = optimizer.scaler, optimizer
             optimizer = optimizer.inner_optimizer
         elif isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            adopted = DynamicLossScale(
+            adopted = LossScaler(
                 initial_scale=float(optimizer.initial_scale),
                 growth_interval=int(optimizer.dynamic_growth_steps),
             )
             optimizer = optimizer.inner_optimizer
         elif getattr(optimizer, "loss_scale_factor", None) is not None:
-            adopted = DynamicLossScale.fixed(float(optimizer.loss_scale_factor))
+            adopted = LossScaler.fixed(float(optimizer.loss_scale_factor))
             optimizer.loss_scale_factor = None
         if adopted is not None:
             if self._loss_scale_chosen_by != "user":
@@ -471,7 +479,7 @@ class MixedPrecisionModel(keras.Model):
         if self._loss_scale_chosen_by != "user":
             choice = "auto" if auto_scale_loss else "off"
             if self._loss_scale is None or self._loss_scale_chosen_by != choice:
-                self._loss_scale = self._auto_loss_scale() if auto_scale_loss else DynamicLossScale.disabled()
+                self._loss_scale = self._auto_loss_scale() if auto_scale_loss else LossScaler.disabled()
                 self._loss_scale_chosen_by = choice
         if self._loss_scale.scaling_active or self._overrides_train_step():
             # As in Keras, a model that scales its loss trains through a

@@ -288,7 +288,7 @@ def check_model(model: keras.Model) -> list[Finding]:
     empty list. Layers are named in each finding.
 
     Args:
-        model: a Keras model, built.
+        model: `keras.Model`, built (any construction style).
 
     Returns:
         A list of `Finding`s.
@@ -416,7 +416,7 @@ def _loss_scale_findings(model: keras.Model) -> list[Finding]:
             "missing_loss_scale",
             "layers compute in float16 but no loss scale is in use: small "
             "gradients underflow to zero. Use loss_scale='auto' or a "
-            "DynamicLossScale (in your own train_step, scale the loss: "
+            "LossScaler (in your own train_step, scale the loss: "
             "loss = self.optimizer.scale_loss(loss)).",
             (model.name,),
         )

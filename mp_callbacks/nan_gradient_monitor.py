@@ -55,11 +55,17 @@ class NaNGradientMonitor(MixedPrecisionCallback):
     `d_loss` and `g_loss`) are watched at the same points.
 
     Args:
-        patience: consecutive divergent steps that count as divergence.
-        action: `"stop"` (set `model.stop_training`, like `TerminateOnNaN`),
-            `"raise"` (raise `NonFiniteGradientError`) or `"warn"`
-            (`MixedPrecisionWarning`).
-        check_every: read the counters every this many training steps.
+        patience: int >= 1. Consecutive divergent steps that count as
+            divergence. Defaults to `1`.
+        action: str. `"stop"` (set `model.stop_training`, like
+            `TerminateOnNaN`), `"raise"` (raise `NonFiniteGradientError`) or
+            `"warn"` (`MixedPrecisionWarning`). Defaults to `"stop"`.
+        check_every: int >= 1. Read the counters every this many training
+            steps. Defaults to `200`.
+
+    Raises:
+        ValueError: an argument out of its range, or an unknown `action`.
+        TypeError: an argument of the wrong type (a string for a number).
 
     Attributes:
         skipped_steps: steps skipped for non-finite gradients so far.
@@ -129,7 +135,7 @@ class NaNGradientMonitor(MixedPrecisionCallback):
             self._last_counts = self._loss_scale.nonfinite_gradient_counts()
         else:
             logger.info(
-                "NaNGradientMonitor: %r does not train through a DynamicLossScale; only the loss is watched.",
+                "NaNGradientMonitor: %r does not train through a LossScaler; only the loss is watched.",
                 self.model.name,
             )
 

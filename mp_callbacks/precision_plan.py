@@ -134,13 +134,13 @@ class PrecisionPlan:
         scale. A `.keras` save and load keeps the pinned layers float32.
 
         Args:
-            model: a functional or Sequential model (a `MixedPrecisionModel`
-                included), built under any policy.
+            model: `keras.Model`. A functional or Sequential model (a
+                `MixedPrecisionModel` included), built under any policy.
 
         Returns:
             The new model (a `MixedPrecisionModel` if `model` was one).
         """
-        from mp_callbacks.loss_scale import DynamicLossScale
+        from mp_callbacks.loss_scale import LossScaler
         from mp_callbacks.model import MixedPrecisionModel
 
         if not (isinstance(model, keras.Sequential) or hasattr(model, "_run_through_graph")):
@@ -174,7 +174,7 @@ class PrecisionPlan:
             compile_config["optimizer"] = type(optimizer).from_config(optimizer.get_config())
             clone.compile(**compile_config)
         if isinstance(clone, MixedPrecisionModel) and self.initial_scale is not None:
-            clone.set_loss_scale(DynamicLossScale(initial_scale=float(self.initial_scale)))
+            clone.set_loss_scale(LossScaler(initial_scale=float(self.initial_scale)))
         return clone
 
     @property
@@ -186,7 +186,7 @@ class PrecisionPlan:
             lines.append(f"model = mp.with_float32_layers(model, {self.float32_layers!r})")
         if self.initial_scale is not None:
             lines.append(
-                f"model = mp.MixedPrecisionModel.from_model(model, loss_scale=mp.DynamicLossScale("
+                f"model = mp.MixedPrecisionModel.from_model(model, loss_scale=mp.LossScaler("
                 f"initial_scale={self.initial_scale:g}))"
             )
         return "\n".join(lines)

@@ -26,7 +26,7 @@ from typing import Any
 from mp_callbacks._backend import keras
 from mp_callbacks._validation import fail
 from mp_callbacks.hardware import POLICIES
-from mp_callbacks.loss_scale import DynamicLossScale, check_scale
+from mp_callbacks.loss_scale import LossScaler, check_scale
 from mp_callbacks.model import MixedPrecisionModel
 
 try:
@@ -71,19 +71,22 @@ class MixedPrecisionHyperModel(kt.HyperModel):
     """A hypermodel whose dtype policy (and loss scale) are hyperparameters.
 
     Args:
-        hypermodel: a `kt.HyperModel` or a build function `build(hp)` that
-            returns a compiled model (a `MixedPrecisionModel` for
-            `loss_scale_space`).
-        policies: the dtype policies to choose from (hyperparameter
-            `"dtype_policy"`).
-        loss_scale_space: optional `{argument: [values]}` over
-            `DynamicLossScale` arguments, e.g.
+        hypermodel: `kt.HyperModel` or callable. A hypermodel, or a build
+            function `build(hp)` that returns a compiled model (a
+            `MixedPrecisionModel` for `loss_scale_space`).
+        policies: sequence of str. The dtype policies to choose from
+            (hyperparameter `"dtype_policy"`). Defaults to
+            `("float32", "mixed_bfloat16")`.
+        loss_scale_space: dict or None. `{argument: [values]}` over
+            `LossScaler` arguments, e.g.
             `{"initial_scale": [2**10, 2**15], "hysteresis": [1, 2]}`; each
             becomes a hyperparameter `"loss_scale_<argument>"`, active only
             in trials whose policy computes in float16 (loss scaling does
             nothing for float32 and bfloat16), and those trials' models get
-            that `DynamicLossScale`. Needs a float16 policy among `policies`.
-        name, tunable: as for `kt.HyperModel`.
+            that `LossScaler`. Needs a float16 policy among `policies`.
+            Defaults to None.
+        name: str or None. As for `kt.HyperModel`. Defaults to None.
+        tunable: bool. As for `kt.HyperModel`. Defaults to `True`.
     """
 
     def __init__(
@@ -110,7 +113,7 @@ class MixedPrecisionHyperModel(kt.HyperModel):
                     "MixedPrecisionHyperModel",
                     "loss_scale_space",
                     {argument: values},
-                    f"a dict from DynamicLossScale arguments ({', '.join(_LOSS_SCALE_ARGS)}) "
+                    f"a dict from LossScaler arguments ({', '.join(_LOSS_SCALE_ARGS)}) "
                     "to non-empty lists of values",
                 )
             for value in values:  # refused now, not in the middle of a search
@@ -118,7 +121,7 @@ class MixedPrecisionHyperModel(kt.HyperModel):
                     # Their bounds depend on each other: checked alone here.
                     check_scale("MixedPrecisionHyperModel", f"loss_scale_space[{argument!r}]", value)
                 else:
-                    DynamicLossScale(**{argument: value})
+                    LossScaler(**{argument: value})
         self.hypermodel = hypermodel
         self.policies = policies
         self.loss_scale_space = {k: list(v) for k, v in (loss_scale_space or {}).items()}
@@ -153,7 +156,7 @@ class MixedPrecisionHyperModel(kt.HyperModel):
                         for argument, values in self.loss_scale_space.items()
                     }
                 if policy in self._float16_policies:
-                    model.set_loss_scale(DynamicLossScale(**settings))
+                    model.set_loss_scale(LossScaler(**settings))
         return model
 
     def fit(self, hp: kt.HyperParameters, model: keras.Model, *args: Any, **kwargs: Any) -> Any:

@@ -34,7 +34,7 @@ def main(out_path: str) -> None:
         hidden = keras.layers.Dense(8, activation="relu")(inputs)
         outputs = keras.layers.Dense(3, activation="softmax")(hidden)
         model = mp.MixedPrecisionModel(
-            inputs, outputs, loss_scale=mp.DynamicLossScale(initial_scale=256.0, growth_interval=3)
+            inputs, outputs, loss_scale=mp.LossScaler(initial_scale=256.0, growth_interval=3)
         )
         model.compile(keras.optimizers.SGD(0.05), "sparse_categorical_crossentropy")
     # One poisoned batch is not a divergence. Whether its loss is NaN too

@@ -63,11 +63,11 @@ def _same_number(kept, given) -> bool:
 @FUZZ
 @given(value=odd_values)
 def test_dynamic_loss_scale_arguments(argument, value):
-    loss_scale = _construct(mp.DynamicLossScale, argument, value)
+    loss_scale = _construct(mp.LossScaler, argument, value)
     if loss_scale is None:
         return
     assert _same_number(getattr(loss_scale, argument), value)
-    again = mp.DynamicLossScale.from_config(loss_scale.get_config())
+    again = mp.LossScaler.from_config(loss_scale.get_config())
     assert again.get_config() == loss_scale.get_config()
     loss_scale.build([tf.Variable(1.0)])
     for flags in ([0, 0], [1, 0]):  # an applied step, then a skipped one

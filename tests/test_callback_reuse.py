@@ -57,7 +57,7 @@ def test_no_false_divergence_on_clean_data_after_a_real_one():
 
 
 def test_warn_mode_warns_once_per_divergent_check_and_never_after():
-    model = _regression(loss_scale=mp.DynamicLossScale(initial_scale=16384.0))
+    model = _regression(loss_scale=mp.LossScaler(initial_scale=16384.0))
     x, y = _nan_targets_then_clean(4, 4)
     monitor = mp.NaNGradientMonitor(patience=1, action="warn", check_every=1)
     with warnings.catch_warnings(record=True) as caught:
@@ -74,7 +74,7 @@ def test_warn_mode_warns_once_per_divergent_check_and_never_after():
 
 def _growing_model(name: str = "a"):
     # Scale x16 every 2 finite steps: one growth per 2-step fit.
-    model = tiny_classifier(loss_scale=mp.DynamicLossScale(
+    model = tiny_classifier(loss_scale=mp.LossScaler(
         initial_scale=256.0, growth_interval=2, growth_factor=16.0, max_scale=2.0**30))
     model.compile("sgd", "sparse_categorical_crossentropy")
     return model
@@ -113,7 +113,7 @@ def test_loss_scale_monitor_logs_the_scale_on_a_stock_model_with_our_optimizer()
 
 
 def test_collapse_inside_an_epoch_is_reported_even_after_recovery():
-    model = tiny_classifier(loss_scale=mp.DynamicLossScale(
+    model = tiny_classifier(loss_scale=mp.LossScaler(
         initial_scale=4.0, growth_interval=1, min_scale=1.0))
     model.compile("sgd", "sparse_categorical_crossentropy")
     x, y = _nan_then_clean(2, 6)

@@ -21,7 +21,7 @@ EPOCHS = 3
 def fitted(tmp_path_factory):
     directory = tmp_path_factory.mktemp("fit")
     x, y = classification_data(n=64)
-    model = tiny_classifier(loss_scale=mp.DynamicLossScale(initial_scale=32.0, growth_interval=5))
+    model = tiny_classifier(loss_scale=mp.LossScaler(initial_scale=32.0, growth_interval=5))
     model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
     monitor = mp.LossScaleMonitor(every_n_steps=3)
     nan_monitor = mp.NaNGradientMonitor(check_every=2)

@@ -166,7 +166,7 @@ def test_tf_keras_errors():
     with pytest.raises(ValueError, match="already wrapped"):
         LossScaleOptimizer(inner)
     with pytest.raises(ValueError, match="loss_scale.*initial_scale"):
-        LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=-5.0, loss_scale=mp.DynamicLossScale())
+        LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=-5.0, loss_scale=mp.LossScaler())
     for bad, error in ((5, None), ("auto", ValueError), (0, ValueError), ([], TypeError), ({}, ValueError)):
         if error is None:
             assert LossScaleOptimizer(keras.optimizers.SGD(), loss_scale=bad).get_scale() == 5.0
@@ -315,7 +315,7 @@ def _gan(poison_generator: bool, loss_scale):
 
 
 def test_two_optimizers_move_one_scale_once_per_step():
-    loss_scale = mp.DynamicLossScale(initial_scale=2.0, growth_interval=2, max_scale=2.0**20)
+    loss_scale = mp.LossScaler(initial_scale=2.0, growth_interval=2, max_scale=2.0**20)
     gan = _gan(False, loss_scale)
     data = np.random.default_rng(0).normal(size=(32, 2)).astype("float32")
     gan.fit(data, batch_size=4, epochs=1, verbose=0)  # 8 steps
@@ -327,7 +327,7 @@ def test_two_optimizers_move_one_scale_once_per_step():
 
 
 def test_an_overflow_in_one_optimizer_skips_that_optimizer_only():
-    loss_scale = mp.DynamicLossScale(initial_scale=2.0**10, min_scale=1.0)
+    loss_scale = mp.LossScaler(initial_scale=2.0**10, min_scale=1.0)
     gan = _gan(True, loss_scale)
     data = np.random.default_rng(0).normal(size=(16, 2)).astype("float32")
     g_before = [w.copy() for w in gan.generator.get_weights()]
@@ -348,7 +348,7 @@ def test_an_overflow_in_one_optimizer_skips_that_optimizer_only():
 
 def test_update_without_a_pending_step_is_an_error():
     with pytest.raises(RuntimeError, match="update=False"):
-        mp.DynamicLossScale().update()
+        mp.LossScaler().update()
 
 
 def test_no_forgotten_scaling_warning_when_keras_fit_drives_the_wrapper():
@@ -414,7 +414,7 @@ def test_unknown_arguments_are_refused_as_both_peers_refuse_them():
 def test_dynamic_loss_scale_clears_an_optimizers_own_loss_scale_factor():
     variable = tf.Variable(1.0)
     optimizer = keras.optimizers.SGD(1.0, loss_scale_factor=100.0)
-    loss_scale = mp.DynamicLossScale(initial_scale=4.0)
+    loss_scale = mp.LossScaler(initial_scale=4.0)
     with pytest.warns(mp.MixedPrecisionWarning, match="loss_scale_factor=100.0 is cleared"):
         loss_scale.apply_gradients(optimizer, [tf.constant(1.0)], [variable])
     assert optimizer.loss_scale_factor is None

@@ -84,7 +84,7 @@ def test_wgan_gp_skips_every_critic_update_of_the_poisoned_step():
     model = wgan_gp()
     # The penalty's gradients overflow float16 at 2**15: start lower, so
     # that the only skip is the poisoned step's.
-    model.set_loss_scale(mp.DynamicLossScale(initial_scale=2.0**8))
+    model.set_loss_scale(mp.LossScaler(initial_scale=2.0**8))
     history, skipped = _fit(model, _poisoned(4))
     assert _finite(model)
     assert skipped == [0.0, 0.0, 1.0, 1.0]
@@ -183,14 +183,14 @@ def test_each_spelling_unscales_exactly_once(spelling):
 
 
 def test_the_recipe_under_kerass_automatic_wrap_unscales_once_and_says_so():
-    # A stock keras.Model with the DynamicLossScale recipe: compile() wraps
+    # A stock keras.Model with the LossScaler recipe: compile() wraps
     # its optimizer in Keras's LossScaleOptimizer under mixed_float16.
     keras.config.set_dtype_policy("mixed_float16")
 
     class Recipe(keras.Model):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.scaler = mp.DynamicLossScale(initial_scale=2.0**10)
+            self.scaler = mp.LossScaler(initial_scale=2.0**10)
 
         def train_step(self, data):
             x, y = data
@@ -226,7 +226,7 @@ def test_a_hand_written_steps_scale_is_found_under_any_attribute():
     class Scaler(keras.Model):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.scaler = mp.DynamicLossScale(initial_scale=2.0**10)
+            self.scaler = mp.LossScaler(initial_scale=2.0**10)
 
         def train_step(self, data):
             x, y = data
@@ -249,7 +249,7 @@ def test_a_hand_written_steps_scale_is_found_under_any_attribute():
         history = model.fit(x, np.zeros((32, 1), "float32"), batch_size=8, shuffle=False,
                             verbose=0, callbacks=[mp.LossScaleMonitor()]).history
     assert history["loss_scale"] == [2.0**8] and history["skipped_steps"] == [2.0]
-    assert mp.DynamicLossScale is type(model.scaler) and _finite(model)
+    assert mp.LossScaler is type(model.scaler) and _finite(model)
 
 
 # ----------------------------------------------------------- construction

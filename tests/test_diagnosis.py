@@ -158,7 +158,7 @@ def test_subclassed_models_say_what_cannot_be_seen():
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the overflow under test
 def test_with_float32_layers_keeps_weights_and_then_trains_without_skips():
-    model = _float16_model(lambda: Rescale(name="boost"), loss_scale=mp.DynamicLossScale(initial_scale=256.0))
+    model = _float16_model(lambda: Rescale(name="boost"), loss_scale=mp.LossScaler(initial_scale=256.0))
     x, y = _data()
     history = model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert history.history["skipped_steps"] == [4.0]

@@ -36,7 +36,7 @@ def test_dynamic_loss_scale_alone_in_a_custom_loop_under_mirrored(two_cpu_strate
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
         optimizer = keras.optimizers.SGD(0.1)
-        loss_scale = mp.DynamicLossScale(initial_scale=2.0**8, growth_interval=2)
+        loss_scale = mp.LossScaler(initial_scale=2.0**8, growth_interval=2)
         loss_scale.build(model.trainable_variables)
         optimizer.build(model.trainable_variables)
 
@@ -184,7 +184,7 @@ def test_a_non_finite_last_gradient_on_one_replica_skips_everywhere(two_cpu_stra
         variables = [tf.Variable(tf.fill(shape, 2.0), name=f"v{i}")
                      for i, shape in enumerate([(3,), (2, 2), (2,)])]
         optimizer = keras.optimizers.SGD(0.5)
-        loss_scale = mp.DynamicLossScale(initial_scale=8.0)
+        loss_scale = mp.LossScaler(initial_scale=8.0)
         loss_scale.build(variables)
         optimizer.build(variables)
     step = _three_variable_step(strategy, loss_scale, optimizer, variables, update=update)

@@ -10,7 +10,7 @@ import pytest
 
 import mp_callbacks as mp
 
-DOCUMENTED = [mp.DynamicLossScale, mp.MixedPrecisionModel, mp.LossScaleMonitor,
+DOCUMENTED = [mp.LossScaler, mp.MixedPrecisionModel, mp.LossScaleMonitor,
               mp.NaNGradientMonitor, mp.EpochTimer, mp.LossScaleOptimizer,
               mp.HeadroomMonitor, mp.diagnose_batch, mp.with_float32_layers, mp.PrecisionPlan,
               mp.float32_copy, mp.SpeedComparison]

@@ -68,7 +68,7 @@ def _run(make_optimizer, sparse: bool, how: str, steps: int = 2, forward_done: b
          table_dtype: str = "float32", restore_on_skip: bool = False):
     """Trains `steps` steps; how: 'stock', 'gated-apply', 'gated-skip'.
     With `forward_done`, the loss's finiteness is passed to `gated_apply`,
-    as `DynamicLossScale.apply_gradients` does: sparse increments are then
+    as `LossScaler.apply_gradients` does: sparse increments are then
     written at once and put back on a skip.
     With `restore_on_skip`, a stand-in for forward-pass state (set to 1 in
     the step, as a BatchNormalization statistic would be) is put back to 0

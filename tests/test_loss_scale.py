@@ -1,4 +1,4 @@
-"""DynamicLossScale: the state machine against a pure-Python reference."""
+"""LossScaler: the state machine against a pure-Python reference."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import tensorflow as tf
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mp_callbacks import DynamicLossScale
+from mp_callbacks import LossScaler
 
 
 @dataclass
@@ -76,7 +76,7 @@ def _step(loss_scale, optimizer, variable, finite: bool):
 @settings(max_examples=40, deadline=None)
 @given(config=configs(), finite_steps=st.lists(st.booleans(), min_size=1, max_size=30))
 def test_state_machine_matches_reference(config, finite_steps):
-    loss_scale = DynamicLossScale(**config)
+    loss_scale = LossScaler(**config)
     reference = ReferenceLossScale(**config)
     variable = tf.Variable([0.0, 0.0])
     optimizer = keras.optimizers.SGD(learning_rate=0.5)
@@ -98,7 +98,7 @@ def test_state_machine_matches_reference(config, finite_steps):
 
 
 def test_grows_exactly_after_growth_interval_clean_steps():
-    loss_scale = DynamicLossScale(initial_scale=8.0, growth_interval=3)
+    loss_scale = LossScaler(initial_scale=8.0, growth_interval=3)
     variable = tf.Variable([0.0, 0.0])
     optimizer = keras.optimizers.SGD(0.1)
     scales = []
@@ -109,7 +109,7 @@ def test_grows_exactly_after_growth_interval_clean_steps():
 
 
 def test_hysteresis_tolerates_overflows_before_backing_off():
-    loss_scale = DynamicLossScale(initial_scale=64.0, hysteresis=3, growth_interval=100)
+    loss_scale = LossScaler(initial_scale=64.0, hysteresis=3, growth_interval=100)
     variable = tf.Variable([0.0, 0.0])
     optimizer = keras.optimizers.SGD(0.1)
     scales = []
@@ -123,7 +123,7 @@ def test_hysteresis_tolerates_overflows_before_backing_off():
 
 
 def test_scale_never_leaves_its_bounds():
-    loss_scale = DynamicLossScale(initial_scale=4.0, min_scale=2.0, max_scale=8.0, growth_interval=1)
+    loss_scale = LossScaler(initial_scale=4.0, min_scale=2.0, max_scale=8.0, growth_interval=1)
     variable = tf.Variable([0.0, 0.0])
     optimizer = keras.optimizers.SGD(0.1)
     for _ in range(5):
@@ -135,7 +135,7 @@ def test_scale_never_leaves_its_bounds():
 
 
 def test_fixed_and_disabled_scales_still_skip_nonfinite_steps():
-    for loss_scale, expected in ((DynamicLossScale.fixed(128.0), 128.0), (DynamicLossScale.disabled(), 1.0)):
+    for loss_scale, expected in ((LossScaler.fixed(128.0), 128.0), (LossScaler.disabled(), 1.0)):
         variable = tf.Variable([0.0, 0.0])
         optimizer = keras.optimizers.SGD(0.1)
         assert not _step(loss_scale, optimizer, variable, False)
@@ -143,10 +143,10 @@ def test_fixed_and_disabled_scales_still_skip_nonfinite_steps():
         assert loss_scale.get_scale() == expected
         assert not loss_scale.is_dynamic
         np.testing.assert_allclose(variable.numpy(), [-0.1, -0.2])
-    assert not DynamicLossScale.disabled().scaling_active
-    assert DynamicLossScale.fixed(2.0).scaling_active
+    assert not LossScaler.disabled().scaling_active
+    assert LossScaler.fixed(2.0).scaling_active
     loss = tf.constant(3.0)
-    assert DynamicLossScale.disabled().scale(loss) is loss
+    assert LossScaler.disabled().scale(loss) is loss
 
 
 @settings(max_examples=25, deadline=None)
@@ -158,7 +158,7 @@ def test_fixed_and_disabled_scales_still_skip_nonfinite_steps():
     ),
 )
 def test_unscale_inverts_scale_for_powers_of_two(exponent, values):
-    loss_scale = DynamicLossScale(initial_scale=2.0**exponent)
+    loss_scale = LossScaler(initial_scale=2.0**exponent)
     grads = [tf.constant(values), None]
     scaled = [g * loss_scale.get_scale() if g is not None else None for g in grads]
     unscaled = loss_scale.unscale(scaled)
@@ -168,7 +168,7 @@ def test_unscale_inverts_scale_for_powers_of_two(exponent, values):
 
 
 def test_unscale_handles_indexed_slices():
-    loss_scale = DynamicLossScale(initial_scale=4.0)
+    loss_scale = LossScaler(initial_scale=4.0)
     grad = tf.IndexedSlices(tf.constant([[4.0, 8.0]]), tf.constant([1]), tf.constant([3, 2]))
     (unscaled,) = loss_scale.unscale([grad])
     assert isinstance(unscaled, tf.IndexedSlices)
@@ -180,14 +180,14 @@ def test_unscale_handles_indexed_slices():
 def test_unscale_with_plain_tf_variables_divides_every_gradient():
     """Only variables that say `overwrite_with_gradient` keep their gradient
     as it is; a plain tf.Variable has no such attribute."""
-    loss_scale = DynamicLossScale(initial_scale=4.0)
+    loss_scale = LossScaler(initial_scale=4.0)
     variables = [tf.Variable([0.0]), tf.Variable([0.0, 0.0])]
     unscaled = loss_scale.unscale([tf.constant([4.0]), tf.constant([8.0, -4.0])], variables)
     assert [g.numpy().tolist() for g in unscaled] == [[1.0], [2.0, -1.0]]
 
 
 def test_check_gradients_of_no_gradients_is_healthy_and_empty():
-    checked = DynamicLossScale().check_gradients([])
+    checked = LossScaler().check_gradients([])
     assert checked.flags.dtype == tf.int64 and checked.flags.shape == (0,)
     assert checked.global_norm.dtype == tf.float32 and float(checked.global_norm) == 0.0
     assert bool(checked.all_finite) is True
@@ -197,7 +197,7 @@ def test_check_gradients_norm_and_flags_over_dense_sparse_float16_and_missing_gr
     """The norm of sparse gradients is over their values, as in TensorFlow's
     global_norm (a repeated row counts twice, never scattered to dense), and
     float16 gradients are squared in float32: 300**2 overflows float16."""
-    loss_scale = DynamicLossScale()
+    loss_scale = LossScaler()
     repeated_row = tf.IndexedSlices(tf.constant([[1.0, 2.0], [1.0, 2.0]]), tf.constant([1, 1]),
                                     tf.constant([3, 2]))
     grads = [tf.constant([3.0, 4.0]), repeated_row, tf.constant([300.0], tf.float16), None]
@@ -210,7 +210,7 @@ def test_check_gradients_norm_and_flags_over_dense_sparse_float16_and_missing_gr
 
 
 def test_nonfinite_loss_and_floor_overflows_count_as_divergence():
-    loss_scale = DynamicLossScale(initial_scale=2.0, min_scale=1.0, growth_interval=100)
+    loss_scale = LossScaler(initial_scale=2.0, min_scale=1.0, growth_interval=100)
     variable = tf.Variable([0.0, 0.0])
     optimizer = keras.optimizers.SGD(0.1)
     _step(loss_scale, optimizer, variable, False)  # 2 -> 1: handled by scaling
@@ -230,7 +230,7 @@ def test_nonfinite_loss_and_floor_overflows_count_as_divergence():
 
 
 def test_per_variable_counts_name_the_nonfinite_variable():
-    loss_scale = DynamicLossScale()
+    loss_scale = LossScaler()
     good, bad = tf.Variable([0.0], name="good"), tf.Variable([0.0], name="bad")
     optimizer = keras.optimizers.SGD(0.1)
     for _ in range(3):
@@ -245,7 +245,7 @@ def test_per_variable_counts_name_the_nonfinite_variable():
 def test_a_call_with_more_variables_extends_the_counts_once_per_variable():
     # The counters are built on the first call; a later call that brings a
     # known variable and a new one adds only the new one.
-    loss_scale = DynamicLossScale()
+    loss_scale = LossScaler()
     first, second = tf.Variable([0.0], name="first"), tf.Variable([0.0], name="second")
     optimizer = keras.optimizers.SGD(0.1)
     loss_scale.apply_gradients(optimizer, [tf.constant([math.nan])], [first])
@@ -257,7 +257,7 @@ def test_a_call_with_more_variables_extends_the_counts_once_per_variable():
 
 @pytest.mark.parametrize("traced", [False, True], ids=["eager (tf.cond)", "tf.function (gated)"])
 def test_restore_on_skip_is_assigned_on_a_skipped_step_only(traced):
-    loss_scale = DynamicLossScale(initial_scale=4.0)
+    loss_scale = LossScaler(initial_scale=4.0)
     weight = tf.Variable([1.0], name="weight")
     statistic = tf.Variable([7.0], name="statistic")  # changed by a forward pass
     optimizer = keras.optimizers.SGD(0.5)
@@ -276,7 +276,7 @@ def test_restore_on_skip_is_assigned_on_a_skipped_step_only(traced):
 
 
 def test_calls_with_some_of_the_variables_in_any_order_count_the_right_ones():
-    loss_scale = DynamicLossScale()
+    loss_scale = LossScaler()
     a, b, c = (tf.Variable([0.0], name=name) for name in "abc")
     loss_scale.build([a, b, c])
     optimizer = keras.optimizers.SGD(0.1)
@@ -301,7 +301,7 @@ def test_calls_with_some_of_the_variables_in_any_order_count_the_right_ones():
 def test_update_counts_a_non_finite_loss_of_any_optimizer():
     # Two optimizers, one update(): the step's loss is non-finite if either
     # optimizer's loss was; their gradients were finite, so nothing is skipped.
-    loss_scale = DynamicLossScale()
+    loss_scale = LossScaler()
     a, b, c = (tf.Variable([0.0], name=name) for name in "abc")
     loss_scale.build([a, b, c])
     first, second = keras.optimizers.SGD(0.1), keras.optimizers.SGD(0.1)
@@ -317,7 +317,7 @@ def test_a_variable_counts_once_per_step_however_many_replicas_overflowed():
     """Under tf.distribute the flags arrive summed over the replicas: two
     replicas with a non-finite gradient for one variable still make one
     non-finite step for it."""
-    loss_scale = DynamicLossScale()
+    loss_scale = LossScaler()
     loss_scale.build([tf.Variable([0.0], name="first"), tf.Variable([0.0], name="second")])
     loss_scale._update_state(tf.constant([2, 0, 0], tf.int64))
     assert list(loss_scale.nonfinite_gradient_counts().values()) == [1, 0]
@@ -325,7 +325,7 @@ def test_a_variable_counts_once_per_step_however_many_replicas_overflowed():
 
 
 def test_works_inside_tf_function():
-    loss_scale = DynamicLossScale(initial_scale=2.0**10, growth_interval=2)
+    loss_scale = LossScaler(initial_scale=2.0**10, growth_interval=2)
     variable = tf.Variable([1.0, 1.0])
     optimizer = keras.optimizers.SGD(0.1)
 
@@ -365,32 +365,51 @@ def test_works_inside_tf_function():
 )
 def test_bad_config_names_argument_and_value(kwargs, argument):
     with pytest.raises((ValueError, TypeError)) as error:
-        DynamicLossScale(**kwargs)
+        LossScaler(**kwargs)
     message = str(error.value)
     assert f"`{argument}`" in message
     assert f"{argument}={kwargs[argument]!r}" in message
 
 
 def test_config_round_trip_and_keras_serialization():
-    original = DynamicLossScale(
+    original = LossScaler(
         initial_scale=256.0, growth_interval=7, growth_factor=3.0,
         backoff_factor=0.25, min_scale=2.0, max_scale=2.0**20, hysteresis=2,
     )
-    clone = DynamicLossScale.from_config(original.get_config())
+    clone = LossScaler.from_config(original.get_config())
     assert clone.get_config() == original.get_config()
     revived = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(original))
-    assert isinstance(revived, DynamicLossScale)
+    assert isinstance(revived, LossScaler)
     assert revived.get_config() == original.get_config()
 
 
+def test_a_config_saved_under_the_old_name_loads_and_the_old_name_warns():
+    import warnings
+
+    import mp_callbacks
+
+    saved = {"module": "mp_callbacks.loss_scale", "class_name": "DynamicLossScale",
+             "config": {"initial_scale": 64.0, "growth_interval": 3},
+             "registered_name": "mp_callbacks>DynamicLossScale"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # loading an old file is not deprecated
+        revived = keras.saving.deserialize_keras_object(saved)
+    assert type(revived) is LossScaler
+    assert (revived.initial_scale, revived.growth_interval) == (64.0, 3)
+    with pytest.warns(DeprecationWarning, match="now mp_callbacks.LossScaler"):
+        assert mp_callbacks.DynamicLossScale is LossScaler
+    with pytest.raises(AttributeError, match="no attribute 'LossScale'"):
+        mp_callbacks.LossScale  # noqa: B018
+
+
 def test_tf_checkpoint_round_trip(tmp_path):
-    loss_scale = DynamicLossScale(initial_scale=1024.0)
+    loss_scale = LossScaler(initial_scale=1024.0)
     variable = tf.Variable([0.0, 0.0])
     optimizer = keras.optimizers.SGD(0.1)
     _step(loss_scale, optimizer, variable, False)
     _step(loss_scale, optimizer, variable, True)
     path = tf.train.Checkpoint(loss_scale=loss_scale).save(str(tmp_path / "ckpt"))
-    restored = DynamicLossScale(initial_scale=1024.0)
+    restored = LossScaler(initial_scale=1024.0)
     tf.train.Checkpoint(loss_scale=restored).restore(path).assert_existing_objects_matched()
     assert restored.get_scale() == 512.0
     assert restored.diagnostics()["good_steps"] == 1
@@ -421,7 +440,7 @@ def test_scaled_then_unscaled_gradients_match_float32_gradients(units, batch, ex
     reference, half = build("float32"), build("mixed_float16")
     keras.config.set_dtype_policy("float32")
     half.set_weights(reference.get_weights())
-    loss_scale = DynamicLossScale(initial_scale=2.0**exponent)
+    loss_scale = LossScaler(initial_scale=2.0**exponent)
 
     def gradients(model, scaled):
         with tf.GradientTape() as tape:

@@ -1,4 +1,4 @@
-"""DynamicLossScale: bounds, NumPy numbers, corrupted state, example
+"""LossScaler: bounds, NumPy numbers, corrupted state, example
 transitions that the reference test alone would catch."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import mp_callbacks as mp
-from mp_callbacks import DynamicLossScale
+from mp_callbacks import LossScaler
 
 
 def _step(loss_scale, finite=True, optimizer=None, variable=None):
@@ -33,7 +33,7 @@ def _step(loss_scale, finite=True, optimizer=None, variable=None):
 ])
 def test_unrepresentable_values_are_refused_at_construction(kwargs, argument):
     with pytest.raises(ValueError, match=f"`{argument}`"):
-        DynamicLossScale(**kwargs)
+        LossScaler(**kwargs)
 
 
 def test_fixed_scale_out_of_float32_is_refused_by_the_model():
@@ -55,7 +55,7 @@ def test_scales_whose_gradients_underflow_are_refused_and_the_floor_trains():
     message = r"must be a finite number >= 2\*\*-24 \(5.96e-08\)"
     for argument in ("initial_scale", "min_scale", "max_scale"):
         with pytest.raises(ValueError, match=f"`{argument}` {message}"):
-            DynamicLossScale(**{"initial_scale": 1.0, "min_scale": 1.0, argument: tiny})
+            LossScaler(**{"initial_scale": 1.0, "min_scale": 1.0, argument: tiny})
     fixed = r"must be a number from 2\*\*-24 \(5.96e-08\) to 2\*\*64 \(1.84e\+19\) when it is a fixed"
     with pytest.raises(ValueError, match=f"`loss_scale` {fixed}"):
         mp.MixedPrecisionModel(inputs, outputs, loss_scale=MIN_LOSS_SCALE / 2)
@@ -71,7 +71,7 @@ def test_scales_whose_gradients_underflow_are_refused_and_the_floor_trains():
 
 def test_a_fixed_scale_that_overflows_every_step_is_refused_unless_asked_for_in_full():
     """A plain-number fixed scale of 2**126 was accepted and skipped every
-    step; it cannot back off. DynamicLossScale still takes it (tests use it
+    step; it cannot back off. LossScaler still takes it (tests use it
     to provoke overflows), and 2**64 itself trains."""
     from mp_callbacks.loss_scale import MAX_FIXED_LOSS_SCALE
 
@@ -85,7 +85,7 @@ def test_a_fixed_scale_that_overflows_every_step_is_refused_unless_asked_for_in_
             mp.LossScaleOptimizer(keras.optimizers.SGD(), loss_scale=value)
         with pytest.raises(ValueError, match=f"`initial_scale` {fixed}"):
             mp.LossScaleOptimizer(keras.optimizers.SGD(), dynamic=False, initial_scale=value)
-    assert DynamicLossScale.fixed(2.0**126).get_scale() == 2.0**126
+    assert LossScaler.fixed(2.0**126).get_scale() == 2.0**126
     model = mp.MixedPrecisionModel(inputs, outputs, loss_scale=MAX_FIXED_LOSS_SCALE)
     model.compile(keras.optimizers.SGD(0.1), "mse", run_eagerly=True)
     before = model.get_weights()
@@ -111,8 +111,8 @@ _FLOOR = "a finite number >= 2**-24 (5.96e-08)"
 ])
 def test_refusals_name_the_class_the_argument_the_rule_and_the_value(kwargs, message):
     with pytest.raises((ValueError, TypeError)) as caught:
-        DynamicLossScale(**kwargs)
-    assert str(caught.value) == f"DynamicLossScale: {message}"
+        LossScaler(**kwargs)
+    assert str(caught.value) == f"LossScaler: {message}"
 
 
 def test_a_bad_model_loss_scale_is_reported_as_the_models():
@@ -124,19 +124,19 @@ def test_a_bad_model_loss_scale_is_reported_as_the_models():
 
 
 def test_restored_counters_may_be_zero_large_or_float32():
-    loss_scale = DynamicLossScale()
+    loss_scale = LossScaler()
     loss_scale.set_state({"skipped_steps": 0.0, "step_count": 200.0, "good_steps": np.float32(7.0)})
     state = loss_scale.diagnostics()
     assert (state["skipped_steps"], state["step_count"], state["good_steps"]) == (0, 200, 7)
 
 
 def test_largest_int64_interval_trains():
-    loss_scale = DynamicLossScale(growth_interval=2**63 - 1, hysteresis=2**63 - 1)
+    loss_scale = LossScaler(growth_interval=2**63 - 1, hysteresis=2**63 - 1)
     assert _step(loss_scale) and loss_scale.diagnostics()["good_steps"] == 1
 
 
 def test_numpy_numbers_are_accepted():
-    loss_scale = DynamicLossScale(initial_scale=np.float32(1024), growth_interval=np.int64(3),
+    loss_scale = LossScaler(initial_scale=np.float32(1024), growth_interval=np.int64(3),
                                   growth_factor=np.float64(2.0), hysteresis=np.int32(2))
     assert loss_scale.initial_scale == 1024.0 and loss_scale.growth_interval == 3
     assert type(loss_scale.growth_interval) is int and type(loss_scale.initial_scale) is float
@@ -149,11 +149,11 @@ def test_numpy_numbers_are_accepted():
 @pytest.mark.parametrize("value", [True, np.bool_(False), "8", None, [2.0]])
 def test_non_numbers_are_type_errors_naming_the_argument(value):
     with pytest.raises(TypeError, match="`initial_scale`"):
-        DynamicLossScale(initial_scale=value)
+        LossScaler(initial_scale=value)
 
 
 def test_hysteresis_is_refilled_by_growth():
-    loss_scale = DynamicLossScale(initial_scale=8.0, growth_interval=2, hysteresis=3)
+    loss_scale = LossScaler(initial_scale=8.0, growth_interval=2, hysteresis=3)
     _step(loss_scale, finite=False)
     _step(loss_scale, finite=False)
     assert loss_scale.diagnostics()["hysteresis_left"] == 1
@@ -165,7 +165,7 @@ def test_hysteresis_is_refilled_by_growth():
 
 
 def test_overflow_resets_good_steps():
-    loss_scale = DynamicLossScale(initial_scale=8.0, growth_interval=3, hysteresis=2)
+    loss_scale = LossScaler(initial_scale=8.0, growth_interval=3, hysteresis=2)
     _step(loss_scale)
     _step(loss_scale)
     assert loss_scale.diagnostics()["good_steps"] == 2
@@ -181,7 +181,7 @@ def test_overflow_resets_good_steps():
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, 0.0, -4.0])
 def test_set_state_refuses_a_bad_scale_and_changes_nothing(bad):
-    loss_scale = DynamicLossScale(initial_scale=64.0)
+    loss_scale = LossScaler(initial_scale=64.0)
     _step(loss_scale)
     before = loss_scale.diagnostics()
     with pytest.raises(ValueError, match="loss scale"):
@@ -190,14 +190,14 @@ def test_set_state_refuses_a_bad_scale_and_changes_nothing(bad):
 
 
 def test_set_state_refuses_negative_counters():
-    loss_scale = DynamicLossScale()
+    loss_scale = LossScaler()
     with pytest.raises(ValueError, match="skipped_steps"):
         loss_scale.set_state({"skipped_steps": np.int64(-1)})
 
 
 @pytest.mark.parametrize("written", [np.nan, np.inf, 0.0, -4.0])
 def test_a_scale_that_is_not_positive_and_finite_written_at_run_time_recovers(written):
-    loss_scale = DynamicLossScale(initial_scale=256.0, growth_interval=1000)
+    loss_scale = LossScaler(initial_scale=256.0, growth_interval=1000)
     loss_scale._state["scale"].assign(written)
     applied = [_step(loss_scale) for _ in range(4)]
     assert applied == [True] * 4
@@ -206,7 +206,7 @@ def test_a_scale_that_is_not_positive_and_finite_written_at_run_time_recovers(wr
 
 
 def test_lowest_scale_latch_keeps_a_collapse_that_recovered():
-    loss_scale = DynamicLossScale(initial_scale=4.0, growth_interval=1, min_scale=1.0)
+    loss_scale = LossScaler(initial_scale=4.0, growth_interval=1, min_scale=1.0)
     _step(loss_scale, finite=False)
     _step(loss_scale, finite=False)  # at the floor: 1.0
     for _ in range(4):
@@ -220,7 +220,7 @@ def test_lowest_scale_latch_keeps_a_collapse_that_recovered():
 
 
 def test_legacy_state_names_restore():
-    loss_scale = DynamicLossScale()
+    loss_scale = LossScaler()
     loss_scale.set_state({"skipped_count": np.int64(5), "divergent_count": np.int64(2)})
     state = loss_scale.diagnostics()
     assert state["skipped_steps"] == 5 and state["divergent_steps"] == 2
@@ -228,13 +228,13 @@ def test_legacy_state_names_restore():
 
 def test_one_table_names_every_state_key():
     names = [spec.name for spec in mp.loss_scale.STATE_VARIABLES]
-    loss_scale = DynamicLossScale()
+    loss_scale = LossScaler()
     assert list(loss_scale.diagnostics()) == names
     assert list(loss_scale.get_state()) == names
 
 
 def test_one_pass_check_is_exact_for_huge_finite_and_non_finite_gradients():
-    loss_scale = DynamicLossScale()
+    loss_scale = LossScaler()
     grads = [tf.constant([3.0, 4.0]), tf.constant([1e20, 1.0]), None,
              tf.constant([np.nan]), tf.constant([1.0], tf.float16)]
     checked = loss_scale.check_gradients(grads)
@@ -260,7 +260,7 @@ def test_one_pass_check_is_exact_for_huge_finite_and_non_finite_gradients():
 
 
 def test_reset_divergence_latches_and_repr():
-    loss_scale = DynamicLossScale(initial_scale=1.0, min_scale=1.0, max_scale=4.0)
+    loss_scale = LossScaler(initial_scale=1.0, min_scale=1.0, max_scale=4.0)
     _step(loss_scale, finite=False)
     _step(loss_scale, finite=False)
     state = loss_scale.diagnostics()
@@ -269,23 +269,23 @@ def test_reset_divergence_latches_and_repr():
     state = loss_scale.diagnostics()
     assert state["divergent_run"] == 0 and state["max_divergent_run"] == 0
     assert state["divergent_steps"] == 2  # the total stays
-    assert repr(DynamicLossScale.fixed(8.0)) == "DynamicLossScale.fixed(8.0)"
-    assert repr(DynamicLossScale(initial_scale=4.0, growth_interval=7, hysteresis=2)) == (
-        "DynamicLossScale(initial_scale=4.0, growth_interval=7, hysteresis=2)")
+    assert repr(LossScaler.fixed(8.0)) == "LossScaler.fixed(8.0)"
+    assert repr(LossScaler(initial_scale=4.0, growth_interval=7, hysteresis=2)) == (
+        "LossScaler(initial_scale=4.0, growth_interval=7, hysteresis=2)")
 
 
 def test_loss_scale_from_argument_every_branch():
     from mp_callbacks.loss_scale import loss_scale_from_argument
 
     assert loss_scale_from_argument("auto") is None
-    given = DynamicLossScale(initial_scale=8.0)
+    given = LossScaler(initial_scale=8.0)
     assert loss_scale_from_argument(given) is given
     disabled = loss_scale_from_argument(None)
     assert not disabled.scaling_active and disabled.get_scale() == 1.0
     fixed = loss_scale_from_argument(np.float32(64))
     assert not fixed.is_dynamic and fixed.get_scale() == 64.0 and fixed.min_scale == 64.0
     revived = loss_scale_from_argument(keras.saving.serialize_keras_object(given))
-    assert isinstance(revived, DynamicLossScale) and revived.get_config() == given.get_config()
+    assert isinstance(revived, LossScaler) and revived.get_config() == given.get_config()
     for value, error in (("dynamic", ValueError), (0, ValueError), (-2.0, ValueError), (1e39, ValueError),
                          (True, TypeError), ([], TypeError), ({}, TypeError), (object(), TypeError)):
         with pytest.raises(error, match=r"^Owner: `loss_scale` must be") as caught:
@@ -294,19 +294,19 @@ def test_loss_scale_from_argument_every_branch():
 
 
 def test_fixed_and_disabled_scales():
-    fixed = DynamicLossScale.fixed(8.0)
+    fixed = LossScaler.fixed(8.0)
     assert fixed.name == "fixed_loss_scale" and (fixed.min_scale, fixed.max_scale) == (8.0, 8.0)
     assert not fixed.is_dynamic and fixed.scaling_active
-    disabled = DynamicLossScale.disabled()
+    disabled = LossScaler.disabled()
     assert disabled.name == "no_loss_scale" and disabled.initial_scale == 1.0
     assert not disabled.scaling_active and not disabled.is_dynamic
-    assert DynamicLossScale.fixed(2.0, name="mine").name == "mine"
+    assert LossScaler.fixed(2.0, name="mine").name == "mine"
     loss = tf.constant(3.0)
     assert disabled.scale(loss) is loss and float(fixed.scale(loss)) == 24.0
 
 
 def test_state_round_trip_types_and_partial_restores():
-    loss_scale = DynamicLossScale(initial_scale=4.0)
+    loss_scale = LossScaler(initial_scale=4.0)
     state = loss_scale.diagnostics()
     assert all(type(state[name]) is int for name in ("step_count", "skipped_steps", "good_steps"))
     assert type(state["scale"]) is float and type(state["lowest_scale"]) is float
@@ -316,7 +316,7 @@ def test_state_round_trip_types_and_partial_restores():
     _step(loss_scale, finite=False, variable=variable)
     saved = loss_scale.get_state()
     assert saved["nonfinite_counts"].tolist() == [1]
-    other = DynamicLossScale(initial_scale=4.0)
+    other = LossScaler(initial_scale=4.0)
     other.build([tf.Variable([0.0])])
     # A misshapen entry is skipped, and the entries after it still restore.
     other.set_state({"scale": np.array([1.0, 2.0], "float32"), "good_steps": 3.0,
@@ -333,7 +333,7 @@ def test_state_round_trip_types_and_partial_restores():
 
 
 def test_fused_check_handles_sparse_low_precision_and_missing_gradients():
-    loss_scale = DynamicLossScale()
+    loss_scale = LossScaler()
     sparse = tf.IndexedSlices(tf.constant([[3.0, 4.0]]), tf.constant([1]), tf.constant([4, 2]))
     checked = loss_scale.check_gradients([sparse, None, tf.constant([300.0], tf.float16)])
     assert checked.flags.numpy().tolist() == [0, 0, 0]  # 300**2 overflows float16, not float32
@@ -344,7 +344,7 @@ def test_fused_check_handles_sparse_low_precision_and_missing_gradients():
 
 
 def test_state_variables_are_untrainable_single_copies_with_stable_names():
-    loss_scale = DynamicLossScale()
+    loss_scale = LossScaler()
     assert loss_scale.name == "dynamic_loss_scale"
     a, b = tf.Variable([1.0], name="a"), tf.Variable([2.0], name="b")
     loss_scale.build([a, b])
@@ -366,7 +366,7 @@ def test_state_variables_are_untrainable_single_copies_with_stable_names():
 def test_loss_scale_argument_errors_say_exactly_what_is_accepted():
     from mp_callbacks.loss_scale import loss_scale_from_argument
 
-    general = ("'auto', a DynamicLossScale, a number in [2**-24, 2**64] (fixed scale) or None "
+    general = ("'auto', a LossScaler, a number in [2**-24, 2**64] (fixed scale) or None "
                "(no scaling)")
     cases = [
         ("dynamic", ValueError, f"Owner: `loss_scale` must be {general}; received loss_scale='dynamic'."),
@@ -382,9 +382,9 @@ def test_loss_scale_argument_errors_say_exactly_what_is_accepted():
 
 
 def test_set_state_edges():
-    loss_scale = DynamicLossScale(initial_scale=4.0)
+    loss_scale = LossScaler(initial_scale=4.0)
     loss_scale.reset_lowest_scale()  # the latch at float32's maximum
-    other = DynamicLossScale()
+    other = LossScaler()
     other.set_state(loss_scale.get_state())  # restores, maximum included
     assert other.get_state()["lowest_scale"] == np.finfo(np.float32).max
     assert other.diagnostics()["lowest_scale"] is None

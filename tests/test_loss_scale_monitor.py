@@ -43,7 +43,7 @@ def test_reports_one_and_says_so_once_without_loss_scaling(caplog):
 
 def test_warns_when_the_scale_collapses_and_steps_are_skipped():
     x, y = classification_data(n=32)
-    model = poisoned_model(mp.DynamicLossScale(initial_scale=4.0, min_scale=1.0))
+    model = poisoned_model(mp.LossScaler(initial_scale=4.0, min_scale=1.0))
     with pytest.warns(mp.MixedPrecisionWarning) as caught:
         model.fit(x, y, epochs=2, batch_size=8, verbose=0, callbacks=[mp.LossScaleMonitor()])
     messages = [str(w.message) for w in caught]
@@ -57,7 +57,7 @@ def test_warns_when_the_scale_collapses_and_steps_are_skipped():
 
 def test_collapse_threshold_warns_above_the_minimum():
     x, y = classification_data(n=16)
-    model = poisoned_model(mp.DynamicLossScale(initial_scale=64.0, min_scale=1.0))
+    model = poisoned_model(mp.LossScaler(initial_scale=64.0, min_scale=1.0))
     monitor = mp.LossScaleMonitor(collapse_threshold=32.0, max_skipped_fraction=1.0)
     with pytest.warns(mp.MixedPrecisionWarning, match=r"collapsed to 16 \(below 32\)"):
         model.fit(x, y, epochs=1, batch_size=8, verbose=0, callbacks=[monitor])
@@ -65,7 +65,7 @@ def test_collapse_threshold_warns_above_the_minimum():
 
 def test_healthy_training_raises_no_warning(recwarn):
     x, y = classification_data(n=32)
-    model = tiny_classifier(loss_scale=mp.DynamicLossScale(initial_scale=256.0))
+    model = tiny_classifier(loss_scale=mp.LossScaler(initial_scale=256.0))
     model.compile("adam", "sparse_categorical_crossentropy")
     model.fit(x, y, epochs=2, batch_size=8, verbose=0, callbacks=[mp.LossScaleMonitor(max_skipped_fraction=0.0)])
     assert not [w for w in recwarn if issubclass(w.category, mp.MixedPrecisionWarning)]
@@ -82,7 +82,7 @@ def test_bad_arguments_are_named(kwargs, name):
 
 
 def _scale_model(**scale_kwargs):
-    model = tiny_classifier(loss_scale=mp.DynamicLossScale(**scale_kwargs))
+    model = tiny_classifier(loss_scale=mp.LossScaler(**scale_kwargs))
     model.compile("sgd", "sparse_categorical_crossentropy")
     return model
 
@@ -200,7 +200,7 @@ def test_a_collapse_before_this_fit_is_not_reported_and_one_at_epoch_end_names_t
 def _driven_monitor(**monitor_args):
     import types
 
-    loss_scale = mp.DynamicLossScale(initial_scale=1024.0, min_scale=1.0)
+    loss_scale = mp.LossScaler(initial_scale=1024.0, min_scale=1.0)
     model = types.SimpleNamespace(name="driven", loss_scale=loss_scale)
     monitor = mp.LossScaleMonitor(**monitor_args)
     monitor.set_model(model)
@@ -273,7 +273,7 @@ def test_calibrating_down_from_initial_scale_is_not_warned_about_but_recorded(ca
     # step; at 2**20 it trains.
     keras.utils.set_random_seed(0)
     inputs = keras.Input((6,))
-    model = mp.MixedPrecisionModel(inputs, keras.layers.Dense(1)(inputs), loss_scale=mp.DynamicLossScale(
+    model = mp.MixedPrecisionModel(inputs, keras.layers.Dense(1)(inputs), loss_scale=mp.LossScaler(
         initial_scale=2.0**120, backoff_factor=2.0**-100, max_scale=2.0**120))
     model.compile(keras.optimizers.SGD(1e-6), "mse")
     monitor = mp.LossScaleMonitor(every_n_steps=1)

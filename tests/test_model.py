@@ -64,7 +64,7 @@ def test_float32_training_matches_stock_keras(case):
 
     graph = dict(regularized=options.get("regularized", False), two_outputs=options.get("two_outputs", False))
     stock = keras.Model(*_regression_graph(**graph))
-    ours = mp.MixedPrecisionModel(*_regression_graph(**graph), loss_scale=mp.DynamicLossScale(initial_scale=2.0**12))
+    ours = mp.MixedPrecisionModel(*_regression_graph(**graph), loss_scale=mp.LossScaler(initial_scale=2.0**12))
     ours.set_weights(stock.get_weights())
     stock.compile(keras.optimizers.SGD(0.1, momentum=0.9), **compile_kwargs)
     ours.compile(keras.optimizers.SGD(0.1, momentum=0.9), **compile_kwargs)
@@ -84,7 +84,7 @@ def test_float32_training_matches_stock_keras(case):
 def trained_pair():
     """A trained MixedPrecisionModel and a stock model with the same weights."""
     x, y = classification_data()
-    model = tiny_classifier(loss_scale=mp.DynamicLossScale(initial_scale=64.0, growth_interval=3))
+    model = tiny_classifier(loss_scale=mp.LossScaler(initial_scale=64.0, growth_interval=3))
     model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
     history = model.fit(x, y, epochs=2, batch_size=16, verbose=0)
     stock = keras.Model(model.inputs, model.outputs)
@@ -106,7 +106,7 @@ def test_history_has_the_three_keys_every_epoch(trained_pair):
 
 def test_grad_norm_is_the_mean_global_norm_of_unscaled_gradients():
     x, y = classification_data(n=16)
-    model = tiny_classifier(loss_scale=mp.DynamicLossScale(initial_scale=2.0**10))
+    model = tiny_classifier(loss_scale=mp.LossScaler(initial_scale=2.0**10))
     model.compile(keras.optimizers.SGD(0.0), "sparse_categorical_crossentropy")
     with tf.GradientTape() as tape:
         loss = keras.losses.sparse_categorical_crossentropy(y, model(x, training=True))
@@ -131,7 +131,7 @@ def test_evaluate_and_predict_behave_as_stock_keras(trained_pair):
 
 def test_overflow_skips_steps_without_touching_weights_or_optimizer():
     x, y = classification_data(n=32)
-    model = tiny_classifier(loss_scale=mp.DynamicLossScale.fixed(2.0**127))
+    model = tiny_classifier(loss_scale=mp.LossScaler.fixed(2.0**127))
     model.compile(keras.optimizers.Adam(0.01), keras.losses.MeanSquaredError())
     targets = np.full((32, 3), 100.0, "float32")  # loss * 2**127 overflows float32
     before = [w.copy() for w in model.get_weights()]
@@ -152,7 +152,7 @@ def test_dynamic_scale_backs_off_until_steps_are_finite():
     x, _ = classification_data(n=64)
     targets = np.full((64, 3), 100.0, "float32")
     model = tiny_classifier(
-        loss_scale=mp.DynamicLossScale(initial_scale=2.0**127, max_scale=2.0**127)
+        loss_scale=mp.LossScaler(initial_scale=2.0**127, max_scale=2.0**127)
     )
     model.compile(keras.optimizers.SGD(1e-4), "mse")
     history = model.fit(x, targets, epochs=2, batch_size=2, verbose=0).history
@@ -171,7 +171,7 @@ def test_steps_per_execution_and_jit_compile_train_identically():
     results = []
     for steps_per_execution, jit_compile in ((1, False), (3, True)):
         model = tiny_classifier(
-            seed=5, loss_scale=mp.DynamicLossScale(initial_scale=2.0**127, max_scale=2.0**127)
+            seed=5, loss_scale=mp.LossScaler(initial_scale=2.0**127, max_scale=2.0**127)
         )
         model.compile(
             keras.optimizers.SGD(1e-3), "mse",
@@ -191,7 +191,7 @@ def test_steps_per_execution_and_jit_compile_train_identically():
 @pytest.mark.parametrize("clipping", ["clipnorm", "global_clipnorm", "clipvalue"])
 def test_gradient_clipping_acts_on_unscaled_gradients(clipping):
     x, y = classification_data(n=32)
-    model = tiny_classifier(loss_scale=mp.DynamicLossScale.fixed(2.0**12))
+    model = tiny_classifier(loss_scale=mp.LossScaler.fixed(2.0**12))
     limit = 1e-3
     model.compile(keras.optimizers.SGD(1.0, **{clipping: limit}), "sparse_categorical_crossentropy")
     before = [w.copy() for w in model.get_weights()]
@@ -332,13 +332,13 @@ def test_keras_save_and_load_keep_config_and_current_scale(tmp_path, trained_pai
 def test_weights_checkpoint_round_trip_keeps_scale(tmp_path):
     x, y = classification_data(n=32)
     targets = np.full((32, 3), 100.0, "float32")
-    model = tiny_classifier(loss_scale=mp.DynamicLossScale(initial_scale=2.0**127, max_scale=2.0**127))
+    model = tiny_classifier(loss_scale=mp.LossScaler(initial_scale=2.0**127, max_scale=2.0**127))
     model.compile(keras.optimizers.SGD(1e-4), "mse")
     model.fit(x, targets, epochs=1, batch_size=4, verbose=0)
     path = str(tmp_path / "ckpt.weights.h5")
     model.save_weights(path)
 
-    fresh = tiny_classifier(seed=9, loss_scale=mp.DynamicLossScale(initial_scale=2.0**127, max_scale=2.0**127))
+    fresh = tiny_classifier(seed=9, loss_scale=mp.LossScaler(initial_scale=2.0**127, max_scale=2.0**127))
     fresh.compile(keras.optimizers.SGD(1e-4), "mse")
     assert fresh.get_scale() == 2.0**127
     fresh.load_weights(path)
@@ -352,7 +352,7 @@ def test_mirrored_strategy_skips_on_every_replica(two_cpu_strategy):
     x, y = classification_data(n=64)
     x[60:] = np.nan  # second half of the last batch: one replica goes non-finite
     with two_cpu_strategy.scope():
-        model = tiny_classifier(loss_scale=mp.DynamicLossScale(initial_scale=2.0**8))
+        model = tiny_classifier(loss_scale=mp.LossScaler(initial_scale=2.0**8))
         model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy")
     history = model.fit(x, y, epochs=1, batch_size=8, shuffle=False, verbose=0).history
     assert history["skipped_steps"] == [1.0]
@@ -401,7 +401,7 @@ class SerializableNet(mp.MixedPrecisionModel):
 
 def test_subclassed_model_saves_and_loads_with_its_scale(tmp_path):
     x, y = classification_data(n=32)
-    net = SerializableNet(units=8, loss_scale=mp.DynamicLossScale(initial_scale=64.0, growth_interval=2))
+    net = SerializableNet(units=8, loss_scale=mp.LossScaler(initial_scale=64.0, growth_interval=2))
     net.compile("adam", "sparse_categorical_crossentropy")
     net.fit(x, y, epochs=1, batch_size=8, verbose=0)
     assert net.get_scale() == 256.0
@@ -438,7 +438,7 @@ def test_get_config_names_auto_until_compile_then_the_resolved_scale():
     assert model.get_config()["loss_scale"] == "auto"
     model.compile("sgd", "mse")
     config = model.get_config()["loss_scale"]
-    assert config["class_name"] == "DynamicLossScale"
+    assert config["class_name"] == "LossScaler"
     assert config["config"]["initial_scale"] == 1.0 and config["config"]["max_scale"] == 1.0
 
 
@@ -448,7 +448,7 @@ def test_set_loss_scale_replaces_the_scale_and_retraces():
     model.compile("sgd", "sparse_categorical_crossentropy")
     model.fit(x, y, batch_size=8, verbose=0)
     assert model.get_scale() == 4.0 and model.train_function is not None
-    model.set_loss_scale(mp.DynamicLossScale(initial_scale=64.0, growth_interval=1))
+    model.set_loss_scale(mp.LossScaler(initial_scale=64.0, growth_interval=1))
     assert model.train_function is None
     assert model.scaler.built  # counters for the built model's variables
     history = model.fit(x, y, batch_size=8, verbose=0).history
@@ -544,7 +544,7 @@ def test_an_update_that_cannot_be_gated_is_skipped_by_a_cond_exactly():
     inputs = keras.Input((4,))
     model = mp.MixedPrecisionModel(
         inputs, keras.layers.Dense(2, kernel_constraint=keras.constraints.NonNeg())(inputs),
-        loss_scale=mp.DynamicLossScale(initial_scale=2.0**10, growth_interval=1000))
+        loss_scale=mp.LossScaler(initial_scale=2.0**10, growth_interval=1000))
     model.compile(keras.optimizers.Adam(0.01), "mse")
     assert _writes_in_branches(_step_graph(model, tf.TensorSpec((8, 2), tf.float32))) > 3
     x = np.ones((8, 4), "float32")

@@ -88,12 +88,12 @@ def _trained(loss_scale, units=4, seed=0):
 @pytest.mark.filterwarnings("ignore:Skipping nested container:UserWarning")
 @pytest.mark.parametrize("case", ["other_architecture", "corrupted_scale", "missing_file"])
 def test_a_failed_load_changes_nothing(tmp_path, case):
-    target = _trained(mp.DynamicLossScale(initial_scale=512.0, growth_interval=1), seed=1)
+    target = _trained(mp.LossScaler(initial_scale=512.0, growth_interval=1), seed=1)
     path = str(tmp_path / "source.weights.h5")
     if case == "other_architecture":
-        _trained(mp.DynamicLossScale(initial_scale=8.0), units=5).save_weights(path)
+        _trained(mp.LossScaler(initial_scale=8.0), units=5).save_weights(path)
     elif case == "corrupted_scale":
-        source = _trained(mp.DynamicLossScale(initial_scale=8.0))
+        source = _trained(mp.LossScaler(initial_scale=8.0))
         source.scaler._state["scale"].assign(np.nan)
         source.save_weights(path)
     else:
@@ -110,7 +110,7 @@ def test_a_failed_load_changes_nothing(tmp_path, case):
 
 
 def test_weights_load_into_a_plain_keras_model_for_serving(tmp_path):
-    model = _trained(mp.DynamicLossScale(initial_scale=64.0))
+    model = _trained(mp.LossScaler(initial_scale=64.0))
     path = str(tmp_path / "trained.weights.h5")
     model.save_weights(path)
 
@@ -123,13 +123,13 @@ def test_weights_load_into_a_plain_keras_model_for_serving(tmp_path):
     for a, b in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_array_equal(a, b)
     # And back: the loss scale is still in the file for a MixedPrecisionModel.
-    again = tiny_classifier(loss_scale=mp.DynamicLossScale(initial_scale=2.0), seed=3)
+    again = tiny_classifier(loss_scale=mp.LossScaler(initial_scale=2.0), seed=3)
     again.load_weights(path)
     assert again.get_scale() == 64.0
 
 
 def test_export_serves_without_mp_callbacks(tmp_path):
-    model = _trained(mp.DynamicLossScale(initial_scale=64.0))
+    model = _trained(mp.LossScaler(initial_scale=64.0))
     x, _ = classification_data(n=4)
     expected = model.predict(x, verbose=0)
     export_dir = str(tmp_path / "exported")

@@ -52,7 +52,7 @@ def test_overflow_handled_by_scaling_is_not_divergence():
     x, y = classification_data(n=32)
     # Scale 16 backs off 16 -> 8 -> 4 -> 2 -> 1 in four skipped steps: loss
     # scaling is handling those. At the floor, skips become divergence.
-    model = poisoned_model(mp.DynamicLossScale(initial_scale=16.0, min_scale=1.0))
+    model = poisoned_model(mp.LossScaler(initial_scale=16.0, min_scale=1.0))
     monitor = mp.NaNGradientMonitor(patience=3, action="stop", check_every=1)
     model.fit(x, y, epochs=3, batch_size=8, verbose=0, callbacks=[monitor])
     assert monitor.handled_steps == 4
@@ -207,11 +207,11 @@ def test_layer_of_a_variable_path():
 
 # ---------------------------------- every hook, on a driven loss-scale state
 def _driven(paths=("a/kernel", "b/kernel", "c/kernel"), **monitor_args):
-    """A monitor on a stand-in model whose DynamicLossScale state the test
+    """A monitor on a stand-in model whose LossScaler state the test
     sets step by step (set_state), so each check's arithmetic is exact."""
     import types
 
-    loss_scale = mp.DynamicLossScale(initial_scale=4.0, min_scale=1.0)
+    loss_scale = mp.LossScaler(initial_scale=4.0, min_scale=1.0)
     loss_scale.build([types.SimpleNamespace(path=p) for p in paths])
     model = types.SimpleNamespace(name="driven", loss_scale=loss_scale, stop_training=False)
     monitor = mp.NaNGradientMonitor(**monitor_args)
@@ -335,7 +335,7 @@ def test_culprits_are_the_variables_whose_count_grew_since_the_last_check():
 def test_divergence_without_loss_scaling_says_so():
     import types
 
-    loss_scale = mp.DynamicLossScale.disabled()
+    loss_scale = mp.LossScaler.disabled()
     loss_scale.build([types.SimpleNamespace(path="a/kernel")])
     model = types.SimpleNamespace(name="unscaled", loss_scale=loss_scale, stop_training=False)
     monitor = mp.NaNGradientMonitor(action="stop", check_every=1)

@@ -21,7 +21,7 @@ FIT = dict(epochs=EPOCHS, batch_size=8, shuffle=False, verbose=0)
 
 def _model():
     model = tiny_classifier(
-        seed=11, loss_scale=mp.DynamicLossScale(initial_scale=2.0**126, max_scale=2.0**127, growth_interval=3)
+        seed=11, loss_scale=mp.LossScaler(initial_scale=2.0**126, max_scale=2.0**127, growth_interval=3)
     )
     model.compile(keras.optimizers.Adam(1e-3), "mse")
     return model
@@ -97,7 +97,7 @@ def test_weights_files_keep_a_plain_optimizers_layout_when_the_model_wraps_it(tm
     # A model that scales trains through a LossScaleOptimizer; its weights
     # files still load into the same model without one, slots included.
     x, y = classification_data(n=32)
-    scaled = tiny_classifier(loss_scale=mp.DynamicLossScale(initial_scale=8.0))
+    scaled = tiny_classifier(loss_scale=mp.LossScaler(initial_scale=8.0))
     scaled.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
     assert isinstance(scaled.optimizer, mp.LossScaleOptimizer)
     scaled.fit(x, y, batch_size=8, epochs=1, verbose=0)
@@ -110,7 +110,7 @@ def test_weights_files_keep_a_plain_optimizers_layout_when_the_model_wraps_it(tm
     assert int(plain.optimizer.iterations.numpy()) == 4
     for ours, theirs in zip(plain.optimizer.variables, scaled.optimizer.variables):
         np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
-    again = tiny_classifier(loss_scale=mp.DynamicLossScale(initial_scale=2.0))
+    again = tiny_classifier(loss_scale=mp.LossScaler(initial_scale=2.0))
     again.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
     again.load_weights(path)
     assert again.get_scale() == 8.0 and int(again.optimizer.iterations.numpy()) == 4
