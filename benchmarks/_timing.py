@@ -13,9 +13,18 @@ def add_threads_option(parser) -> None:
                         help="TensorFlow intra- and inter-op threads (0: TensorFlow's default)")
 
 
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.01),
+    "adam": lambda: keras.optimizers.Adam(1e-3),
+    "adamw": lambda: keras.optimizers.AdamW(1e-3, weight_decay=0.004),
+}
+
+
 def add_real_model_options(parser, policies, models) -> None:
     """The options real_models.py and step_overhead.py share."""
     parser.add_argument("--model", choices=models, default=models[-1])
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam",
+                        help="the optimizer every contender trains with (a new one each)")
     parser.add_argument("--policy", default="float32", choices=policies)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--peer", action="store_true",

@@ -13,7 +13,8 @@ per-round ratios, their median and the best-epoch ratio (goal: <= 1.03).
 and so also applies no update before every gradient is checked; its ratio
 to stock is what skipping costs in Keras itself.
 
-    python benchmarks/real_models.py                      # both, float32, 5 rounds
+    python benchmarks/real_models.py                      # both, Adam, float32, 5 rounds
+    python benchmarks/real_models.py --optimizer adamw
     python benchmarks/real_models.py --model transformer --policy mixed_bfloat16
 """
 
@@ -30,7 +31,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import mp_callbacks as mp  # noqa: E402
-from _timing import add_real_model_options, apply_threads, compare, report  # noqa: E402
+from _timing import OPTIMIZERS, add_real_model_options, apply_threads, compare, report  # noqa: E402
 
 VOCABULARY, SEQUENCE = 1000, 64
 
@@ -79,16 +80,16 @@ def main(argv=None):
         keras.utils.set_random_seed(0)
         ours = mp.MixedPrecisionModel.from_model(build())
         for model in (stock, ours):
-            model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy")
+            model.compile(OPTIMIZERS[args.optimizer](), "sparse_categorical_crossentropy")
         contenders = {"stock": (stock, []), "MixedPrecisionModel": (ours, [])}
         if args.peer:
             keras.utils.set_random_seed(0)
             peer = build()
             # auto_scale_loss=False: compile must not wrap it a second time.
-            peer.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)),
+            peer.compile(keras.optimizers.LossScaleOptimizer(OPTIMIZERS[args.optimizer]()),
                          "sparse_categorical_crossentropy", auto_scale_loss=False)
             contenders["keras LossScaleOptimizer"] = (peer, [])
-        print(f"{name}: policy {args.policy}, {len(stock.trainable_variables)} trainable variables, "
+        print(f"{name}: {args.optimizer}, policy {args.policy}, {len(stock.trainable_variables)} trainable variables, "
               f"{args.steps} steps of {args.batch_size} per epoch, {args.rounds} interleaved rounds, "
               f"threads {args.threads or 'default'}; "
               f"TensorFlow {tf.__version__}, Keras {keras.__version__}")

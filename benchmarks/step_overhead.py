@@ -17,7 +17,7 @@ of the same layers, (`--peer`) stock `keras.Model` with Keras's own
 this repository, to measure a change against what it changes.
 
     python benchmarks/step_overhead.py --threads 2 --steps 1000 --peer
-    python benchmarks/step_overhead.py --model resnet50 --threads 2 --steps 100
+    python benchmarks/step_overhead.py --model resnet50 --optimizer sgd --threads 2 --steps 100
     python benchmarks/step_overhead.py --threads 2 --steps 1000 --revisions HEAD~1
 """
 
@@ -35,13 +35,13 @@ import tensorflow as tf  # noqa: E402
 
 import mp_callbacks as mp  # noqa: E402
 from _revisions import package_at  # noqa: E402
-from _timing import add_real_model_options, apply_threads  # noqa: E402
+from _timing import OPTIMIZERS, add_real_model_options, apply_threads  # noqa: E402
 from real_models import data_for, resnet50, transformer  # noqa: E402
 
 BATCHES = 8
 
 
-def contenders(build, peer: bool, revisions=()) -> dict[str, keras.Model]:
+def contenders(build, optimizer, peer: bool, revisions=()) -> dict[str, keras.Model]:
     models = {}
     keras.utils.set_random_seed(0)
     models["stock"] = build()
@@ -52,12 +52,12 @@ def contenders(build, peer: bool, revisions=()) -> dict[str, keras.Model]:
         keras.utils.set_random_seed(0)
         models[f"MixedPrecisionModel@{revision}"] = package.MixedPrecisionModel.from_model(build())
     for model in models.values():
-        model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy")
+        model.compile(optimizer(), "sparse_categorical_crossentropy")
     if peer:
         keras.utils.set_random_seed(0)
         models["keras LossScaleOptimizer"] = build()
         models["keras LossScaleOptimizer"].compile(
-            keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)),
+            keras.optimizers.LossScaleOptimizer(optimizer()),
             "sparse_categorical_crossentropy", auto_scale_loss=False)
     return models
 
@@ -102,10 +102,10 @@ def main(argv=None):
         for i in range(BATCHES)
     ]
     try:
-        models = contenders(build, args.peer, args.revisions)
+        models = contenders(build, OPTIMIZERS[args.optimizer], args.peer, args.revisions)
     except ValueError as error:
         parser.error(str(error))
-    print(f"{args.model}: policy {args.policy}, {args.steps} interleaved steps of "
+    print(f"{args.model}: {args.optimizer}, policy {args.policy}, {args.steps} interleaved steps of "
           f"{args.batch_size}, threads {args.threads or 'default'}; "
           f"TensorFlow {tf.__version__}, Keras {keras.__version__}")
     times = interleaved_steps(models, batches, args.steps)
