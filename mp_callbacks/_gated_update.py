@@ -274,6 +274,10 @@ def gated_apply(
         return False  # eagerly, a tf.cond costs nothing: it is a Python if
     if not _writes_are_kerass_own(optimizer):
         return False
+    if getattr(optimizer, "gradient_accumulation_steps", None):
+        # Accumulating updates branch on the step count (a cond of Keras's
+        # own) and count iterations in a private variable: the tf.cond.
+        return False
     ours: set[str] = set()
     counter_handle: dict[str, str] = {}
     rows_to_put_back: list[tuple[Any, tf.Tensor, tf.Tensor]] = []

@@ -48,6 +48,13 @@ def init_functional(model: Any, args: tuple, kwargs: dict) -> None:
     functional.__init__(model, *args, **kwargs)
 
 
+def all_layers(layer: Any, include_self: bool = False, recursive: bool = True) -> list[Any]:
+    """Every layer inside `layer` (its sublayers at any depth, in the
+    order Keras tracks them; direct children only with `recursive=False`):
+    `Layer._flatten_layers`, the walk Keras's own saving and summaries use."""
+    return list(layer._flatten_layers(include_self=include_self, recursive=recursive))
+
+
 def global_seed_generator_state() -> Any:
     """The state variable of Keras's global SeedGenerator (which
     `keras.random.*` ops without a seed advance), or None before one exists."""
@@ -108,8 +115,9 @@ def replaced_on_instance(obj: Any, replacements: dict[str, Any]) -> Iterator[Non
 
     The one place mp_callbacks replaces something on a user's object, and
     only where there is no other way: to gate every write an optimizer's
-    own update makes without a `tf.cond` (`_gated_update`), and to see each
-    layer's inputs and outputs while a batch is replayed (`diagnosis`).
+    own update makes without a `tf.cond` (`_gated_update`), to see each
+    layer's inputs and outputs while a batch is replayed (`diagnosis`), and
+    to see the ids a custom layer's lookups get (`model_checks`).
     """
     for name, value in replacements.items():
         object.__setattr__(obj, name, value)

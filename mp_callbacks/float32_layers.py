@@ -7,13 +7,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from mp_callbacks._backend import keras
+from mp_callbacks._cloning import layers_within, rebuilt, set_nested_dtypes
+from mp_callbacks._keras_internals import all_layers
 from mp_callbacks._validation import fail
 
 __all__ = ["float32_copy", "with_float32_layers"]
-
-
-def _layer_configs(config: dict[str, Any]) -> list[dict[str, Any]]:
-    return config.get("layers", [])
 
 
 def with_float32_layers(model: keras.Model, names: Iterable[str]) -> keras.Model:
@@ -28,8 +26,11 @@ def with_float32_layers(model: keras.Model, names: Iterable[str]) -> keras.Model
     Args:
         model: `keras.Model`. A functional or Sequential model (a
             `MixedPrecisionModel` built functionally included).
-        names: iterable of str. Names of top-level layers, for example
-            `report.float32_layers` from `diagnose_batch`.
+        names: iterable of str. Names of the model's layers at any depth
+            (a top-level layer, or one inside a wrapper, a nested model or
+            a custom layer), for example `report.float32_layers` from
+            `diagnose_batch`. Every layer inside a named one computes in
+            float32 too.
 
     Example:
 
@@ -64,22 +65,25 @@ def with_float32_layers(model: keras.Model, names: Iterable[str]) -> keras.Model
             "a functional or Sequential model (subclassed models define their layers in "
             "code: set dtype='float32' on those layers there)",
         )
-    config = copy.deepcopy(model.get_config())
-    by_name = {
-        layer_config.get("config", {}).get("name"): layer_config for layer_config in _layer_configs(config)
-    }
-    unknown = [name for name in names if name not in by_name]
+    known = list(dict.fromkeys(layer.name for layer in all_layers(model)))
+    unknown = [name for name in names if name not in known]
     if unknown:
         fail(
             "with_float32_layers",
             "names",
             unknown,
-            f"names of the model's layers ({', '.join(n for n in by_name if n)})",
+            f"names of the model's layers ({', '.join(known)})",
         )
-    for name in names:
-        by_name[name]["config"]["dtype"] = "float32"
-    clone = type(model).from_config(config)
-    clone.set_weights(model.get_weights())
+    float32 = layers_within(model, names)
+    config = copy.deepcopy(model.get_config())
+    # A nested model's input in float32: its layers cast it to what they compute in.
+    set_nested_dtypes(config.get("layers", []), input_dtype="float32")
+    clone = rebuilt(
+        model,
+        config,
+        type(model),
+        lambda layer: "float32" if id(layer) in float32 else None,
+    )
     if getattr(model, "compiled", False) and getattr(model, "optimizer", None) is not None:
         compile_config = keras.saving.deserialize_keras_object(model.get_compile_config())
         optimizer = model.optimizer
@@ -124,15 +128,14 @@ def float32_copy(model: keras.Model) -> keras.Model:
         )
     config = copy.deepcopy(model.get_config())
     config.pop("loss_scale", None)
+    # In the config too (a wrapper's layer, a nested model's), so that a
+    # save of the copy loads as float32 under any global policy.
     float32 = keras.dtype_policies.serialize(keras.dtype_policies.get("float32"))
-    for layer_config in _layer_configs(config):
-        if "config" in layer_config and layer_config.get("class_name") != "InputLayer":
-            layer_config["config"]["dtype"] = float32
+    set_nested_dtypes(config.get("layers", []), float32, input_dtype="float32")
     plain = keras.Sequential if isinstance(model, keras.Sequential) else keras.Model
-    clone = plain.from_config(config)
+    clone = rebuilt(model, config, plain, lambda layer: "float32", global_policy="float32")
     if plain is keras.Model and not keras.tree.is_nested(model.input) and keras.tree.is_nested(clone.input):
         # Keras 3.10's config round trip turns a single input into a list of one,
         # and the exported signature with it.
         clone = keras.Model(clone.inputs[0], clone.output, name=clone.name)
-    clone.set_weights(model.get_weights())
     return clone

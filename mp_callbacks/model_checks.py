@@ -3,10 +3,14 @@ troubleshooting) as a check that names the layer at fault."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from mp_callbacks._backend import keras
+from mp_callbacks._keras_internals import replaced_on_instance
 from mp_callbacks._loss_scale_source import LossScaleSource
 
 __all__ = ["Finding", "check_model"]
@@ -211,9 +215,18 @@ def _size_of(layer: Any) -> tuple[str, int] | None:
     return None
 
 
+# Keras computes these in float32 whatever their policy, and rounds only
+# their output (tests/test_model_checks.py checks that it still does).
+_NORMALIZATION_IN_FLOAT32 = (keras.layers.BatchNormalization, keras.layers.GroupNormalization)
+
+
 def _saturating_operation(layer: Any) -> str | None:
     operation = _activation_name(layer)
-    if operation is None and isinstance(layer, _NORMALIZATION):
+    if (
+        operation is None
+        and isinstance(layer, _NORMALIZATION)
+        and not isinstance(layer, _NORMALIZATION_IN_FLOAT32)
+    ):
         operation = type(layer).__name__
     return operation
 
@@ -434,6 +447,40 @@ def _casts_floats(layer: Any) -> bool:
     return _compute_dtype(layer) in _LOW_PRECISION and getattr(layer, "autocast", True)
 
 
+def _inputs_reach_lookups(host: Any, lookups: list[Any]) -> bool:
+    """Whether what a custom layer's lookups get depends on its inputs:
+    the layer is called on two small batches of different ids (1s, then
+    2s) and the ids each lookup receives are compared. True when that
+    cannot be told (the finding is then kept)."""
+    specs = [tensor.shape for tensor in _input_tensors(host)]
+    if not specs:
+        return True
+    seen: list[list[np.ndarray]] = [[], []]
+
+    def watching(lookup: Any, run: int) -> Any:
+        call = lookup.call
+
+        def watched(inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            seen[run].append(np.asarray(keras.ops.convert_to_numpy(inputs)))
+            return call(inputs, *args, **kwargs)
+
+        return watched
+
+    try:
+        for run, value in enumerate((1.0, 2.0)):
+            batch = [np.full([1 if d is None else d for d in shape], value, "float32") for shape in specs]
+            with contextlib.ExitStack() as stack:
+                for lookup in lookups:
+                    stack.enter_context(replaced_on_instance(lookup, {"call": watching(lookup, run)}))
+                host(batch[0] if len(batch) == 1 else batch)
+    except Exception:  # a layer that cannot run on such a batch: keep the finding
+        return True
+    first, second = seen
+    return len(first) != len(second) or any(
+        a.shape != b.shape or not np.array_equal(a, b) for a, b in zip(first, second)
+    )
+
+
 def _float_index_findings(layers: list[Any]) -> list[Finding]:
     """Index lookups whose ids come from a float model input and reach them
     cast to float16/bfloat16 (by a layer on the way, or the layer that holds
@@ -444,6 +491,14 @@ def _float_index_findings(layers: list[Any]) -> list[Finding]:
             inner for inner in host._flatten_layers(include_self=True) if isinstance(inner, _INDEX_LOOKUPS)
         ]
         if not lookups:
+            continue
+        if (
+            host not in lookups
+            and not (_has_graph(host) or getattr(host, "layer", None) in lookups)
+            and not _inputs_reach_lookups(host, lookups)
+        ):
+            # A custom layer's call decides what its lookups get (ViT's
+            # positions come from ops.arange), not its inputs.
             continue
         casts_on_entry = host not in lookups and _casts_floats(host)
         cast_to: str | None = _compute_dtype(host) if casts_on_entry else None

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mp_callbacks._backend import keras
+from mp_callbacks._cloning import layers_within, rebuilt, set_nested_dtypes
+from mp_callbacks._keras_internals import all_layers
 from mp_callbacks._validation import fail
 from mp_callbacks.hardware import POLICIES
 
@@ -26,7 +28,7 @@ _OWNER = "PrecisionPlan"
 
 def _layers_by_name(model: Any) -> dict[str, Any]:
     found: dict[str, Any] = {}
-    for layer in model._flatten_layers(include_self=False, recursive=True):
+    for layer in all_layers(model):
         found.setdefault(layer.name, layer)
     return found
 
@@ -35,6 +37,16 @@ def pin_float32(model: Any, names: Iterable[str]) -> None:
     """Makes the named layers, and every layer inside them, compute in
     float32 (their dtype policy, kept in their config, so a `.keras` save
     keeps it). In place; the model must not have been traced yet."""
+    by_name = _check_names(model, names)
+    float32 = keras.dtype_policies.get("float32")
+    for name in names:
+        for layer in all_layers(by_name[name], include_self=True):
+            if getattr(layer.dtype_policy, "quantization_mode", None) is None:
+                layer.dtype_policy = float32
+
+
+def _check_names(model: Any, names: Iterable[str]) -> dict[str, Any]:
+    """The model's layers by name; raises naming those `names` it lacks."""
     by_name = _layers_by_name(model)
     unknown = [name for name in names if name not in by_name]
     if unknown:
@@ -45,11 +57,7 @@ def pin_float32(model: Any, names: Iterable[str]) -> None:
             f"names of the model's layers ({', '.join(sorted(by_name)[:12])}"
             f"{', ...' if len(by_name) > 12 else ''})",
         )
-    float32 = keras.dtype_policies.get("float32")
-    for name in names:
-        for layer in by_name[name]._flatten_layers(include_self=True, recursive=True):
-            if getattr(layer.dtype_policy, "quantization_mode", None) is None:
-                layer.dtype_policy = float32
+    return by_name
 
 
 @dataclass
@@ -151,23 +159,25 @@ class PrecisionPlan:
                 "a functional or Sequential model (in a subclassed model, set "
                 f"dtype='float32' on {', '.join(self.float32_layers) or 'the layers'} in its code)",
             )
+        _check_names(model, self.float32_layers)
+        float32 = layers_within(model, list(self.float32_layers))
+        # Each top-level layer, and everything inside it, under the plan's
+        # policy or the one the plan lists for it.
+        top_level: dict[int, str] = {}
+        for layer in all_layers(model, recursive=False):
+            dtype = self.layer_dtypes.get(layer.path, self.layer_dtypes.get(layer.name, self.policy))
+            for inner in all_layers(layer, include_self=True):
+                top_level[id(inner)] = dtype
+
+        def policy_for(layer: Any) -> str:
+            if id(layer) in float32:
+                return "float32"
+            return top_level.get(id(layer), self.policy)
+
         config = model.get_config()
-        default = keras.dtype_policies.serialize(keras.dtype_policies.get(self.policy))
-        known = set()
-        for layer_config in config.get("layers", []):
-            name = layer_config.get("config", {}).get("name")
-            if layer_config.get("class_name") == "InputLayer" or name is None:
-                continue
-            known.add(name)
-            dtype = self.layer_dtypes.get(name, "float32" if name in self.float32_layers else None)
-            layer_config["config"]["dtype"] = (
-                default if dtype is None else keras.dtype_policies.serialize(keras.dtype_policies.get(dtype))
-            )
-        clone = type(model).from_config(config)
-        clone.set_weights(model.get_weights())
-        nested = [name for name in self.float32_layers if name not in known]
-        if nested:  # layers inside a top-level layer
-            pin_float32(clone, nested)
+        # A nested model's input in float32: its layers cast it to what they compute in.
+        set_nested_dtypes(config.get("layers", []), input_dtype="float32")
+        clone = rebuilt(model, config, type(model), policy_for, global_policy=self.policy)
         if getattr(model, "compiled", False) and getattr(model, "optimizer", None) is not None:
             compile_config = keras.saving.deserialize_keras_object(model.get_compile_config())
             optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
