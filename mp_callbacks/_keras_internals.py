@@ -55,6 +55,21 @@ def all_layers(layer: Any, include_self: bool = False, recursive: bool = True) -
     return list(layer._flatten_layers(include_self=include_self, recursive=recursive))
 
 
+def output_layers(model: Any) -> list[Any]:
+    """The layers that produce a functional model's outputs (each tensor's
+    `_keras_history`), in output order; none for a model without a graph."""
+    try:
+        outputs = model.outputs
+    except (AttributeError, ValueError):
+        return []
+    layers: list[Any] = []
+    for tensor in outputs or []:
+        history = getattr(tensor, "_keras_history", None)
+        if history is not None and history[0] not in layers:
+            layers.append(history[0])
+    return layers
+
+
 def global_seed_generator_state() -> Any:
     """The state variable of Keras's global SeedGenerator (which
     `keras.random.*` ops without a seed advance), or None before one exists."""

@@ -10,10 +10,14 @@ state after the step, as PyTorch's `GradScaler.update` and Megatron-LM's
 * finite step: `good_steps += 1`; when it reaches `growth_interval`, the
   scale is multiplied by `growth_factor` (capped at `max_scale`),
   `good_steps` is reset to 0 and the hysteresis budget refilled;
-* non-finite step: `good_steps` is reset to 0 and one unit of hysteresis is
-  spent; once it is spent the scale is multiplied by `backoff_factor`
-  (floored at `min_scale`), and every further overflow backs off until the
-  next growth.
+* overflowing step (finite loss, non-finite gradients): `good_steps` is
+  reset to 0 and one unit of hysteresis is spent; once it is spent the
+  scale is multiplied by `backoff_factor` (floored at `min_scale`), and
+  every further overflow backs off until the next growth;
+* step with a non-finite loss: skipped, but the scale, `good_steps` and
+  the hysteresis budget stay as they were: the loss is computed before it
+  is scaled, so the scale cannot have caused it (a NaN or inf in the
+  data). PyTorch's `GradScaler`, which never sees the loss, backs off here.
 
 A scale that is not a positive finite number (written into the variable by
 hand) restarts from `initial_scale`. The counters (steps, skips, divergence,
@@ -52,6 +56,10 @@ MIN_LOSS_SCALE = 2.0**-24
 #: back off, so one that overflows does so on every step. A
 #: `LossScaler` takes any float32 scale.
 MAX_FIXED_LOSS_SCALE = 2.0**64
+#: Skips at a scale below this are never calibration: float16 gradients
+#: would need magnitudes above 256 to overflow there, which is bad data or
+#: divergence, not a scale that is too high.
+CALIBRATION_FLOOR = 2.0**8
 SCALE_REQUIREMENT = "a finite number >= 2**-24 (5.96e-08)"
 FIXED_SCALE_REQUIREMENT = "a number from 2**-24 (5.96e-08) to 2**64 (1.84e+19) when it is a fixed scale"
 
@@ -214,8 +222,11 @@ def transition(
 
     good = state["good_steps"] + 1
     grow = tf.logical_and(applied, good >= settings.growth_interval)
+    # Skipped for a non-finite loss: nothing the scale did, nothing to undo.
+    overflow = tf.logical_and(tf.logical_not(applied), tf.logical_not(loss_diverged))
+    bad_data = tf.logical_and(tf.logical_not(applied), loss_diverged)
     spent = tf.maximum(state["hysteresis_left"] - 1, 0)
-    back_off = tf.logical_and(tf.logical_not(applied), spent <= 0)
+    back_off = tf.logical_and(overflow, spent <= 0)
     new_scale = tf.where(
         grow,
         tf.minimum(scale * settings.growth_factor, settings.max_scale),
@@ -227,11 +238,13 @@ def transition(
     run = tf.where(divergent, state["divergent_run"] + 1, zero)
     new = {
         "scale": new_scale,
-        "good_steps": tf.where(applied, tf.where(grow, zero, good), zero),
+        "good_steps": tf.where(
+            applied, tf.where(grow, zero, good), tf.where(bad_data, state["good_steps"], zero)
+        ),
         "hysteresis_left": tf.where(
             applied,
             tf.where(grow, tf.constant(settings.hysteresis, tf.int64), state["hysteresis_left"]),
-            spent,
+            tf.where(bad_data, state["hysteresis_left"], spent),
         ),
         "step_count": state["step_count"] + one,
         "skipped_steps": state["skipped_steps"] + tf.where(applied, zero, one),
@@ -244,11 +257,13 @@ def transition(
         "nonfinite_counts": tf.minimum(flags[:-1], 1),
     }
     if settings.is_dynamic:
-        # Overflows before any step was applied, with a finite loss and room
-        # to back off: the scale finding its level, not bad data.
+        # Overflows before any step was applied, with a finite loss, room to
+        # back off and a scale high enough to overflow healthy gradients: the
+        # scale finding its level, not bad data. (On some CPUs an all-inf
+        # batch gives a finite loss: only the scale's level tells them apart.)
         calibrating = tf.logical_and(
-            tf.logical_and(tf.logical_not(applied), tf.equal(state["step_count"], state["skipped_steps"])),
-            tf.logical_and(tf.logical_not(loss_diverged), scale > settings.min_scale),
+            tf.logical_and(overflow, tf.equal(state["step_count"], state["skipped_steps"])),
+            tf.logical_and(scale > settings.min_scale, scale >= CALIBRATION_FLOOR),
         )
         new["calibration_steps"] = state["calibration_steps"] + tf.cast(calibrating, tf.int64)
     return new

@@ -311,6 +311,34 @@ def layer_output_ranges(model: keras.Model, x: Any) -> dict[str, OutputRange]:
     return ranges
 
 
+# What TensorFlow raises for an op without a gradient (in that dtype).
+_NO_GRADIENT = (TypeError, LookupError, ValueError, NotImplementedError, tf.errors.OpError)
+
+
+def _gradients(tape: Any, loss: Any, targets: list[Any], spans: list[tuple[Any, int, int, int]], notes: list[str]) -> list[Any]:
+    """The gradients of `loss` for `targets` in one backward pass; if that
+    pass fails (TensorFlow has no bfloat16 gradient for an augmentation
+    layer's image transform, which training never needs: it has no weights
+    behind it), the inputs of each layer that fails are left out, and named
+    in `notes`."""
+    if not targets:
+        return []
+    try:
+        return tape.gradient(loss, targets)
+    except _NO_GRADIENT:
+        pass
+    gradients: list[Any] = [None] * len(targets)
+    for layer, start, n_in, n_out in spans:
+        for first, count, what in ((start, n_in, "inputs"), (start + n_in, n_out, "outputs")):
+            if not count:
+                continue
+            try:
+                gradients[first : first + count] = tape.gradient(loss, targets[first : first + count])
+            except _NO_GRADIENT as error:
+                notes.append(f"no gradient for the {what} of {layer.name!r} ({type(error).__name__}: {error}).")
+    return gradients
+
+
 def diagnose_batch(
     model: keras.Model,
     x: Any,
@@ -423,7 +451,7 @@ def diagnose_batch(
             outs = [t for _, outputs in calls[id(layer)] for t in outputs]
             spans.append((layer, len(targets), len(ins), len(outs)))
             targets += ins + outs
-        gradients = tape.gradient(scaled_loss, targets) if targets else []
+        gradients = _gradients(tape, scaled_loss, targets, spans, notes)
         for layer, start, n_in, n_out in spans:
             grads = [g for g in gradients[start : start + n_in] if g is not None]
             grads = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]

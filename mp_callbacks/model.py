@@ -22,6 +22,8 @@ from typing import Any
 from mp_callbacks._backend import keras, tf
 from mp_callbacks._keras_internals import (
     LossScaleSaveable,
+    all_layers,
+    output_layers,
     first_batch_of_epoch_iterator,
     functional_class,
     functional_init_arguments,
@@ -84,6 +86,38 @@ def _accounted(train_step: Callable) -> Callable:
 
     accounted_train_step._mp_accounted = True  # type: ignore[attr-defined]
     return accounted_train_step
+
+
+def _follow_global_policy(model: keras.Model) -> None:
+    """Moves a model built under float32 into the mixed global policy set
+    since (see `from_model`). Keras gives every layer made without a dtype
+    the global policy object itself, so a layer still holding the model's
+    own default object was not pinned by the user."""
+    target = keras.mixed_precision.global_policy()
+    default = model.dtype_policy
+    if default.name != "float32" or target.compute_dtype == "float32" or target.quantization_mode:
+        return
+    outputs = {id(inner) for layer in output_layers(model) for inner in all_layers(layer, include_self=True)}
+    moved = []
+    for layer in all_layers(model):
+        if layer.dtype_policy is not default or id(layer) in outputs:
+            continue
+        if isinstance(layer, keras.layers.InputLayer):
+            continue
+        layer.dtype_policy = target
+        # A preprocessing layer's adapted statistics follow its compute dtype.
+        if hasattr(layer, "finalize_state") and layer.built:
+            layer.finalize_state()
+        moved.append(layer.name)
+    if moved:
+        logger.info(
+            "MixedPrecisionModel.from_model: %d layer(s) of %r built under float32 now compute "
+            "under the global policy %r (the output layers stay float32): %s",
+            len(moved),
+            model.name,
+            target.name,
+            ", ".join(moved),
+        )
 
 
 _FUNCTIONAL_VARIANTS: dict[type, type] = {}
@@ -304,6 +338,14 @@ class MixedPrecisionModel(keras.Model):
         a single tensor). If the original was compiled, the new one is
         compiled with the same optimizer object, losses and metrics.
 
+        A model built under float32, with a mixed policy set as the global
+        policy afterwards (`keras.mixed_precision.set_global_policy`), is
+        brought into that policy: every layer that was built with the
+        default policy then computes in the global one (in place: the
+        layers are shared), except the layers that produce the model's
+        outputs, which stay float32 as `check_model` advises. Layers given
+        a dtype of their own keep it.
+
         Args:
             model: a built `keras.Sequential` or functional `keras.Model`.
             loss_scale: as for `MixedPrecisionModel`. Defaults to "auto".
@@ -332,6 +374,7 @@ class MixedPrecisionModel(keras.Model):
                 "MixedPrecisionModel instead."
             )
         kwargs.setdefault("name", model.name)
+        _follow_global_policy(model)
         wrapped = cls(inputs=inputs, outputs=outputs, loss_scale=loss_scale, **kwargs)
         if getattr(model, "compiled", False):
             config = keras.saving.deserialize_keras_object(model.get_compile_config())

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from mp_callbacks._backend import keras
-from mp_callbacks._keras_internals import replaced_on_instance
+from mp_callbacks._keras_internals import output_layers, replaced_on_instance
 from mp_callbacks._loss_scale_source import LossScaleSource
 
 __all__ = ["Finding", "check_model"]
@@ -74,19 +74,6 @@ def _activation_name(layer: Any) -> str | None:
     activation = getattr(layer, "activation", None)
     name = getattr(activation, "__name__", None)
     return name if name in _SQUASHING else None
-
-
-def _output_layers(model: keras.Model) -> list[Any]:
-    try:
-        outputs = model.outputs
-    except (AttributeError, ValueError):
-        return []
-    layers = []
-    for tensor in outputs or []:
-        history = getattr(tensor, "_keras_history", None)
-        if history is not None and history[0] not in layers:
-            layers.append(history[0])
-    return layers
 
 
 def _is_pass_through(layer: Any) -> bool:
@@ -339,9 +326,9 @@ def _check(model: keras.Model) -> list[Finding]:
     if not low_precision and _compute_dtype(model) not in _LOW_PRECISION:
         return findings
 
-    output_layers = _output_layers(model)
+    outputs_from = output_layers(model)
     reported = set()
-    for tensor, layer in zip(getattr(model, "outputs", None) or [], output_layers):
+    for tensor, layer in zip(getattr(model, "outputs", None) or [], outputs_from):
         dtype = keras.backend.standardize_dtype(tensor.dtype)
         if dtype == "float32":
             continue
@@ -370,7 +357,7 @@ def _check(model: keras.Model) -> list[Finding]:
                 (layer.name,),
             )
         )
-    for layer in _layers_feeding_loss(output_layers):
+    for layer in _layers_feeding_loss(outputs_from):
         dtype = _compute_dtype(layer)
         if dtype not in _LOW_PRECISION or layer.name in reported:
             continue
@@ -395,7 +382,7 @@ def _check(model: keras.Model) -> list[Finding]:
         layers = [layer for layer in layers if id(layer) not in inside]
         low_precision = [layer for layer in low_precision if id(layer) not in inside]
     findings += _float_index_findings(layers)
-    findings += _alignment_findings(layers, low_precision, _output_size_layers(output_layers))
+    findings += _alignment_findings(layers, low_precision, _output_size_layers(outputs_from))
     if not _has_graph(model):
         checked = []
         for sub_model in sub_models:

@@ -33,7 +33,11 @@ class ReferenceLossScale:
         self.hysteresis_left = self.hysteresis
         self.skipped = 0
 
-    def step(self, finite: bool) -> None:
+    def step(self, finite: bool, loss_finite: bool = True) -> None:
+        if not loss_finite:
+            # Bad data: skipped, and nothing of the scale's changes.
+            self.skipped += 1
+            return
         if finite:
             self.good_steps += 1
             if self.good_steps >= self.growth_interval:
@@ -68,21 +72,29 @@ def configs(draw):
     )
 
 
-def _step(loss_scale, optimizer, variable, finite: bool):
+def _step(loss_scale, optimizer, variable, finite: bool, loss_finite: bool = True):
     grad = tf.constant([1.0, 2.0]) if finite else tf.constant([1.0, math.inf])
-    return bool(loss_scale.apply_gradients(optimizer, [grad], [variable]))
+    loss = tf.constant(1.0 if loss_finite else math.nan)
+    return bool(loss_scale.apply_gradients(optimizer, [grad], [variable], loss=loss))
+
+
+# A step: gradients finite, gradients overflowing, or a non-finite loss
+# (bad data, whatever the gradients).
+_OUTCOMES = st.sampled_from(["finite", "overflow", "bad_loss"])
 
 
 @settings(max_examples=40, deadline=None)
-@given(config=configs(), finite_steps=st.lists(st.booleans(), min_size=1, max_size=30))
-def test_state_machine_matches_reference(config, finite_steps):
+@given(config=configs(), outcomes=st.lists(_OUTCOMES, min_size=1, max_size=30))
+def test_state_machine_matches_reference(config, outcomes):
     loss_scale = LossScaler(**config)
     reference = ReferenceLossScale(**config)
     variable = tf.Variable([0.0, 0.0])
     optimizer = keras.optimizers.SGD(learning_rate=0.5)
-    for finite in finite_steps:
-        applied = _step(loss_scale, optimizer, variable, finite)
-        reference.step(finite)
+    finite_steps = [outcome == "finite" for outcome in outcomes]
+    for outcome in outcomes:
+        finite, loss_finite = outcome == "finite", outcome != "bad_loss"
+        applied = _step(loss_scale, optimizer, variable, finite, loss_finite)
+        reference.step(finite, loss_finite)
         assert applied is finite
         state = loss_scale.diagnostics()
         assert state["scale"] == pytest.approx(float(reference.scale), rel=0, abs=0)
@@ -90,7 +102,8 @@ def test_state_machine_matches_reference(config, finite_steps):
         assert state["hysteresis_left"] == reference.hysteresis_left
         assert config["min_scale"] <= state["scale"] <= config["max_scale"]
     assert state["skipped_steps"] == reference.skipped
-    assert state["step_count"] == len(finite_steps)
+    assert state["step_count"] == len(outcomes)
+    assert state["nonfinite_loss_steps"] == outcomes.count("bad_loss")
     # The optimizer only ever saw the applied steps.
     applied_steps = sum(finite_steps)
     assert int(optimizer.iterations.numpy()) == applied_steps
@@ -222,11 +235,29 @@ def test_nonfinite_loss_and_floor_overflows_count_as_divergence():
     loss_scale.apply_gradients(optimizer, [tf.constant([1.0, 1.0])], [variable], loss=tf.constant(math.nan))
     state = loss_scale.diagnostics()
     assert state["divergent_run"] == 3 and state["nonfinite_loss_steps"] == 1
+    assert state["scale"] == 1.0
     _step(loss_scale, optimizer, variable, True)
     state = loss_scale.diagnostics()
     assert state["divergent_run"] == 0 and state["max_divergent_run"] == 3
     loss_scale.reset_max_divergent_run()
     assert loss_scale.diagnostics()["max_divergent_run"] == 0
+
+
+def test_a_nonfinite_loss_is_skipped_without_backing_off_the_scale():
+    # Bad data over many steps (5 % of the batches) must not collapse the
+    # scale: the loss is computed before it is scaled. Overflowing gradients
+    # with a finite loss still back it off.
+    loss_scale = LossScaler(initial_scale=2.0**15, growth_interval=1000)
+    variable = tf.Variable([0.0, 0.0])
+    optimizer = keras.optimizers.SGD(0.01)
+    for step in range(200):
+        _step(loss_scale, optimizer, variable, finite=step % 20 != 0, loss_finite=step % 20 != 0)
+    state = loss_scale.diagnostics()
+    assert state["scale"] == 2.0**15
+    assert state["skipped_steps"] == state["nonfinite_loss_steps"] == 10
+    assert state["good_steps"] == 190  # the bad steps neither count nor reset the run
+    _step(loss_scale, optimizer, variable, finite=False, loss_finite=True)
+    assert loss_scale.diagnostics()["scale"] == 2.0**14
 
 
 def test_per_variable_counts_name_the_nonfinite_variable():
@@ -341,7 +372,9 @@ def test_works_inside_tf_function():
     assert bool(train_step(tf.constant([0.0, 0.0])))
     assert not bool(train_step(tf.constant([math.inf, 0.0])))
     np.testing.assert_allclose(variable.numpy(), [0.64, 0.64], rtol=1e-6)
-    assert loss_scale.get_scale() == 2.0**10  # grew to 2**11, then backed off
+    # Grew to 2**11; the inf target makes the loss itself inf: bad data,
+    # skipped without backing off.
+    assert loss_scale.get_scale() == 2.0**11
 
 
 @pytest.mark.parametrize(
