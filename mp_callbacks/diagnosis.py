@@ -215,10 +215,12 @@ def recording_layers(
     model: keras.Model,
     tape: Any = None,
     arguments: list[tuple[Any, tuple, dict]] | None = None,
+    watch_inputs: bool = True,
 ) -> Iterator[list[tuple[Any, list[Any], list[Any]]]]:
     """While active, every call of one of `model`'s layers appends
     `(layer, floating inputs, floating outputs)` to the yielded list (in
-    order of completion: forward order), watching them on `tape` if given,
+    order of completion: forward order), watching them on `tape` if given
+    (the inputs only with `watch_inputs`),
     and `(layer, args, kwargs)` to `arguments` if given. The layers are
     restored on exit."""
     records: list[tuple[Any, list[Any], list[Any]]] = []
@@ -226,7 +228,7 @@ def recording_layers(
     def wrap(layer: Any, original: Any) -> Any:
         def recorded_call(*args: Any, **kwargs: Any) -> Any:
             inputs = _floating_tensors((args, kwargs))
-            if tape is not None:
+            if tape is not None and watch_inputs:
                 for tensor in inputs:
                     tape.watch(tensor)
             outputs = original(*args, **kwargs)
@@ -315,18 +317,25 @@ def layer_output_ranges(model: keras.Model, x: Any) -> dict[str, OutputRange]:
 _NO_GRADIENT = (TypeError, LookupError, ValueError, NotImplementedError, tf.errors.OpError)
 
 
-def _gradients(tape: Any, loss: Any, targets: list[Any], spans: list[tuple[Any, int, int, int]], notes: list[str]) -> list[Any]:
-    """The gradients of `loss` for `targets` in one backward pass; if that
-    pass fails (TensorFlow has no bfloat16 gradient for an augmentation
-    layer's image transform, which training never needs: it has no weights
-    behind it), the inputs of each layer that fails are left out, and named
-    in `notes`."""
-    if not targets:
-        return []
-    try:
-        return tape.gradient(loss, targets)
-    except _NO_GRADIENT:
-        pass
+def _gradient_targets(
+    order: list[Any], calls: dict[int, list[tuple[list[Any], list[Any]]]]
+) -> tuple[list[tuple[Any, int, int, int]], list[Any]]:
+    """(layer, start, inputs and weights, outputs) spans into one target list."""
+    spans: list[tuple[Any, int, int, int]] = []
+    targets: list[Any] = []
+    for layer in order:
+        ins = [t for inputs, _ in calls[id(layer)] for t in inputs] + _own_trainable_weights(layer)
+        outs = [t for _, outputs in calls[id(layer)] for t in outputs]
+        spans.append((layer, len(targets), len(ins), len(outs)))
+        targets += ins + outs
+    return spans, targets
+
+
+def _gradients(
+    tape: Any, loss: Any, targets: list[Any], spans: list[tuple[Any, int, int, int]], notes: list[str]
+) -> list[Any]:
+    """The gradients of `loss` for `targets`, span by span, leaving out
+    (and naming in `notes`) those TensorFlow cannot compute."""
     gradients: list[Any] = [None] * len(targets)
     for layer, start, n_in, n_out in spans:
         for first, count, what in ((start, n_in, "inputs"), (start + n_in, n_out, "outputs")):
@@ -398,34 +407,41 @@ def diagnose_batch(
     forward_state = list(model.non_trainable_variables)
     saved_state = [v.numpy() for v in forward_state]
 
-    tape = tf.GradientTape(persistent=True)
-    loss = None
     reference: dict[str, tuple[float, float]] = {}
     try:
-        try:
-            reference = _reference_ranges(model, x)
-        except Exception as error:  # the reference is advice, not the diagnosis
-            notes.append(f"no float32 reference pass ({type(error).__name__}: {error}).")
-        for variable, value in zip(forward_state, saved_state):
-            variable.assign(value)
-        with recording_layers(model, tape) as records, tape:
-            y_pred = model(x, training=True)
-            if y is not None and getattr(model, "compiled", False):
-                loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
-                scaled_loss = tf.cast(loss, tf.float32) * tf.constant(loss_scale, tf.float32)
+        reference = _reference_ranges(model, x)
+    except Exception as error:  # the reference is advice, not the diagnosis
+        notes.append(f"no float32 reference pass ({type(error).__name__}: {error}).")
     finally:
         for variable, value in zip(forward_state, saved_state):
             variable.assign(value)
 
-    # One entry per layer: a layer called twice keeps its first call's
-    # position and the worst of its figures.
-    order: list[Any] = []
-    calls: dict[int, list[tuple[list[Any], list[Any]]]] = {}
-    for layer, inputs, outputs in records:
-        if id(layer) not in calls:
-            order.append(layer)
-            calls[id(layer)] = []
-        calls[id(layer)].append((inputs, outputs))
+    def forward(watch_inputs: bool) -> tuple[Any, Any, Any, list[Any], dict[int, list[tuple[list[Any], list[Any]]]]]:
+        tape = tf.GradientTape(persistent=True)
+        loss = scaled_loss = None
+        try:
+            with recording_layers(model, tape, watch_inputs=watch_inputs) as records, tape:
+                y_pred = model(x, training=True)
+                if y is not None and getattr(model, "compiled", False):
+                    loss = model.compute_loss(
+                        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+                    )
+                    scaled_loss = tf.cast(loss, tf.float32) * tf.constant(loss_scale, tf.float32)
+        finally:
+            for variable, value in zip(forward_state, saved_state):
+                variable.assign(value)
+        # One entry per layer: a layer called twice keeps its first call's
+        # position and the worst of its figures.
+        order: list[Any] = []
+        calls: dict[int, list[tuple[list[Any], list[Any]]]] = {}
+        for layer, inputs, outputs in records:
+            if id(layer) not in calls:
+                order.append(layer)
+                calls[id(layer)] = []
+            calls[id(layer)].append((inputs, outputs))
+        return tape, loss, scaled_loss, order, calls
+
+    tape, loss, scaled_loss, order, calls = forward(watch_inputs=True)
 
     layer_records: dict[str, LayerRecord] = {}
     for layer in order:
@@ -444,14 +460,22 @@ def diagnose_batch(
         )
     else:
         # Every layer's inputs, own weights and outputs, in one backward pass.
-        spans: list[tuple[Any, int, int, int]] = []
-        targets: list[Any] = []
-        for layer in order:
-            ins = [t for inputs, _ in calls[id(layer)] for t in inputs] + _own_trainable_weights(layer)
-            outs = [t for _, outputs in calls[id(layer)] for t in outputs]
-            spans.append((layer, len(targets), len(ins), len(outs)))
-            targets += ins + outs
-        gradients = _gradients(tape, scaled_loss, targets, spans, notes)
+        spans, targets = _gradient_targets(order, calls)
+        try:
+            gradients = tape.gradient(scaled_loss, targets) if targets else []
+        except _NO_GRADIENT as error:
+            # TensorFlow has no bfloat16 gradient for an augmentation
+            # layer's image transform, which training never needs (no weights
+            # are behind it): the same pass again, watching only outputs.
+            notes.append(
+                "no gradient for some layers' inputs "
+                f"({type(error).__name__}: {error}); each layer's gradients are "
+                "taken at its weights and outputs."
+            )
+            del tape
+            tape, loss, scaled_loss, order, calls = forward(watch_inputs=False)
+            spans, targets = _gradient_targets(order, calls)
+            gradients = _gradients(tape, scaled_loss, targets, spans, notes)
         for layer, start, n_in, n_out in spans:
             grads = [g for g in gradients[start : start + n_in] if g is not None]
             grads = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]

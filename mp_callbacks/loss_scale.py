@@ -83,6 +83,11 @@ def _per_thread(name: str) -> dict[int, Any]:
     return table
 
 
+def _current_graph() -> Any:
+    """The graph being traced, or None when executing eagerly."""
+    return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+
+
 class _Untracked:
     """Holds the model's variables without making them the loss scale's:
     a list set on a tf.Module would be walked into its `variables` and
@@ -304,8 +309,14 @@ class LossScaler(tf.Module):
     @property
     def _pending(self) -> list[tuple[list[Any], tf.Tensor, tf.Tensor | None]]:
         """Applies awaiting one update() (variables, flags, and the decision
-        when it needed no all-reduce)."""
-        return _per_thread("pending").setdefault(id(self), [])
+        when it needed no all-reduce), of the graph being traced: entries
+        left by a trace that failed belong to no step and are dropped."""
+        graph = _current_graph()
+        table = _per_thread("pending")
+        entry = table.get(id(self))
+        if entry is None or entry[0] is not graph:
+            entry = table[id(self)] = (graph, [])
+        return entry[1]
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[StepRecord]:
@@ -318,6 +329,10 @@ class LossScaler(tf.Module):
             yield record
         finally:
             records[id(self)] = outer
+            if outer is None:
+                # A step that raised (a bug in its metric code, Ctrl-C) left
+                # its applies pending: nothing of it may reach the next step.
+                _per_thread("pending").pop(id(self), None)
 
     def finish_step(self, record: StepRecord) -> None:
         """Advances the state machine once for the recorded step's applies."""
@@ -627,8 +642,8 @@ class LossScaler(tf.Module):
                 "apply_gradients(optimizer, grads, variables, update=False) for each "
                 "optimizer first, then update() once."
             )
-        pending = self._pending
-        _per_thread("pending")[id(self)] = []
+        pending = list(self._pending)
+        self._pending.clear()
         self._advance(pending)
 
     def _advance(self, entries: list[tuple[list[Any], tf.Tensor, tf.Tensor | None]]) -> None:

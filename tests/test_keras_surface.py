@@ -1,0 +1,257 @@
+"""The seams between the library and the parts of Keras users bring:
+optimizer features, adapted preprocessing layers, wrappers and custom
+layers with sublayers, augmentation layers under bfloat16, adopting a model
+built under float32, bad data over many steps, and a step that raises."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import classification_data
+
+import mp_callbacks as mp
+
+# ------------------------------------------------------------- optimizers
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_gradient_accumulation_trains_as_stock_and_skips_a_poisoned_step(policy):
+    def build(cls):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((6,))
+        hidden = keras.layers.Dense(4)(inputs)
+        outputs = keras.layers.Dense(1, dtype="float32")(hidden)
+        model = cls(inputs, outputs)
+        model.compile(keras.optimizers.Adam(0.01, gradient_accumulation_steps=2), "mse")
+        return model
+
+    keras.mixed_precision.set_global_policy(policy)
+    x, _ = classification_data(n=32)
+    y = x[:, :1] * 2.0
+    ours = build(mp.MixedPrecisionModel)
+    history = ours.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    # float16 may spend its first step calibrating the scale down.
+    assert history["skipped_steps"] == ([0.0, 0.0] if policy == "float32" else [1.0, 0.0])
+    if policy == "float32":
+        stock = build(keras.Model)
+        stock.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        for a, b in zip(ours.get_weights(), stock.get_weights()):
+            np.testing.assert_array_equal(a, b)
+    # A poisoned batch: skipped, every weight and the accumulators as they were.
+    before = [v.numpy() for v in ours.variables + ours.optimizer.variables]
+    x_bad = x[:8].copy()
+    x_bad[0] = np.nan
+    history = ours.fit(x_bad, y[:8], batch_size=8, epochs=1, verbose=0).history
+    assert history["skipped_steps"] == [1.0]
+    after = [v.numpy() for v in ours.variables + ours.optimizer.variables]
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+
+
+# ------------------------------------------------ copies of a model's layers
+
+
+@keras.saving.register_keras_serializable(package="mp_callbacks_tests")
+class PatchEncoder(keras.layers.Layer):
+    """keras-io's ViT patch encoder: sublayers made in __init__, positions
+    from ops.arange into an Embedding."""
+
+    def __init__(self, num_patches, projection_dim, **kwargs):
+        super().__init__(**kwargs)
+        self.num_patches = num_patches
+        self.projection_dim = projection_dim
+        self.projection = keras.layers.Dense(projection_dim)
+        self.position_embedding = keras.layers.Embedding(num_patches, projection_dim)
+
+    def call(self, patch):
+        positions = keras.ops.expand_dims(keras.ops.arange(0, self.num_patches), 0)
+        return self.projection(patch) + self.position_embedding(positions)
+
+    def get_config(self):
+        return {**super().get_config(), "num_patches": self.num_patches, "projection_dim": self.projection_dim}
+
+
+_X = np.random.default_rng(0).normal(3.0, 10.0, size=(16, 6, 4)).astype("float32")
+
+
+def _layered_model(cls=keras.Model):
+    """An adapted Normalization, a custom layer with sublayers, Bidirectional,
+    TimeDistributed and a nested Sequential, under the global policy."""
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((6, 4))
+    normalization = keras.layers.Normalization(name="norm")
+    normalization.adapt(_X)
+    h = normalization(inputs)
+    h = PatchEncoder(6, 8, name="patches")(h)
+    h = keras.layers.Bidirectional(keras.layers.LSTM(4, return_sequences=True), name="bi")(h)
+    h = keras.layers.TimeDistributed(keras.layers.Dense(3), name="td")(h)
+    h = keras.Sequential([keras.layers.Dense(5), keras.layers.Dense(2)], name="nested")(h)
+    outputs = keras.layers.Dense(1, dtype="float32", name="out")(keras.layers.Flatten()(h))
+    return cls(inputs, outputs)
+
+
+def _low_precision(model):
+    return sorted(
+        layer.name
+        for layer in model._flatten_layers(include_self=True, recursive=True)
+        if not isinstance(layer, keras.layers.InputLayer) and layer.compute_dtype != "float32"
+    )
+
+
+@pytest.fixture
+def bfloat16_model_and_reference():
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    model = _layered_model(mp.MixedPrecisionModel)
+    keras.mixed_precision.set_global_policy("float32")
+    reference = _layered_model()
+    reference.set_weights(model.get_weights())
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    return model, reference
+
+
+@pytest.mark.parametrize(
+    "copy",
+    [mp.float32_copy, lambda model: mp.PrecisionPlan("float32").apply(model)],
+    ids=["float32_copy", "PrecisionPlan.apply"],
+)
+def test_copies_compute_every_layer_in_float32_with_the_same_predictions(copy, bfloat16_model_and_reference):
+    model, reference = bfloat16_model_and_reference
+    assert "bi" in _low_precision(model) and "dense" not in _low_precision(model)
+    copied = copy(model)
+    assert _low_precision(copied) == []
+    np.testing.assert_array_equal(copied.predict(_X, verbose=0), reference.predict(_X, verbose=0))
+
+
+def test_copies_of_an_adapted_normalization_keep_normalizing():
+    keras.mixed_precision.set_global_policy("float32")
+    model = _layered_model(mp.MixedPrecisionModel)
+    expected = model.predict(_X, verbose=0)
+    for copied in (
+        mp.float32_copy(model),
+        mp.with_float32_layers(model, ["bi"]),
+        mp.PrecisionPlan("float32").apply(model),
+    ):
+        np.testing.assert_array_equal(copied.predict(_X, verbose=0), expected)
+
+
+def test_with_float32_layers_takes_a_custom_layers_name_and_its_sublayers(bfloat16_model_and_reference):
+    model, _ = bfloat16_model_and_reference
+    inner = model.get_layer("patches").projection.name
+    fixed = mp.with_float32_layers(model, ["patches", inner])
+    patches = fixed.get_layer("patches")
+    assert patches.compute_dtype == "float32"
+    assert patches.projection.compute_dtype == patches.position_embedding.compute_dtype == "float32"
+    assert fixed.get_layer("bi").compute_dtype == "bfloat16"  # the others keep theirs
+    fixed = mp.with_float32_layers(model, ["nested"])
+    assert [layer.compute_dtype for layer in fixed.get_layer("nested").layers] == ["float32", "float32"]
+    with pytest.raises(ValueError, match="names.*no_such_layer"):
+        mp.with_float32_layers(model, ["no_such_layer"])
+
+
+def test_check_model_has_no_false_findings_for_a_vit_encoder_and_batch_normalization():
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    inputs = keras.Input((6, 4))
+    h = PatchEncoder(6, 8, name="patches")(inputs)
+    h = keras.layers.BatchNormalization(name="bn")(h)
+    outputs = keras.layers.Activation("linear", dtype="float32")(keras.layers.Flatten()(h))
+    findings = mp.check_model(keras.Model(inputs, outputs))
+    assert findings == []
+    # Keras still computes BatchNormalization in float32 and rounds only its output.
+    layer = keras.layers.BatchNormalization(dtype="mixed_bfloat16")
+    values = np.array([[1.0, 1.001, 300.0, 300.5]], "float32").T
+    out = keras.ops.convert_to_numpy(keras.ops.cast(layer(values, training=True), "float32"))
+    exact = (values - values.mean()) / np.sqrt(values.var() + layer.epsilon)
+    np.testing.assert_allclose(out, exact, rtol=1e-2)
+
+
+# ---------------------------------------------- augmentation under bfloat16
+
+
+@pytest.mark.parametrize(
+    "augmentation",
+    [
+        lambda: keras.layers.RandomRotation(0.1),
+        lambda: keras.layers.RandomZoom(0.1),
+        lambda: keras.layers.RandomTranslation(0.1, 0.1),
+    ],
+    ids=["RandomRotation", "RandomZoom", "RandomTranslation"],
+)
+def test_diagnose_batch_runs_on_augmentation_layers_under_bfloat16(augmentation):
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    keras.utils.set_random_seed(0)
+    x = np.random.default_rng(0).random((8, 8, 8, 3)).astype("float32")
+    y = np.arange(8) % 2
+    inputs = keras.Input((8, 8, 3))
+    h = keras.layers.Flatten()(augmentation()(inputs))
+    model = mp.MixedPrecisionModel(inputs, keras.layers.Dense(2, dtype="float32", name="head")(h))
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    report = mp.diagnose_batch(model, x, y)
+    assert report.loss_finite and report.origin is None
+    assert report.gradient_max["head"] > 0  # the weights' gradients are there
+    assert any("no gradient for some layers' inputs" in note for note in report.notes)
+
+
+# ------------------------------------------------ adopting an existing model
+
+
+def test_from_model_brings_a_float32_model_into_the_policy_set_afterwards():
+    keras.mixed_precision.set_global_policy("float32")
+    x, y = classification_data(n=32)
+    inputs = keras.Input((6,))
+    normalization = keras.layers.Normalization()
+    normalization.adapt(x)
+    h = keras.layers.Dense(8, name="hidden")(normalization(inputs))
+    h = keras.layers.Dense(8, name="pinned", dtype="float32")(h)
+    outputs = keras.layers.Dense(3, activation="softmax", name="out")(h)
+    original = keras.Model(inputs, outputs)
+    weights = original.get_weights()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = mp.MixedPrecisionModel.from_model(original)
+    dtypes = {layer.name: layer.compute_dtype for layer in model.layers[1:]}
+    assert dtypes == {"normalization": "float16", "hidden": "float16", "pinned": "float32", "out": "float32"}
+    for a, b in zip(model.get_weights(), weights):
+        np.testing.assert_array_equal(a, b)
+    model.compile("adam", "sparse_categorical_crossentropy")
+    assert mp.check_model(model) == []
+    history = model.fit(x, y, batch_size=8, verbose=0).history
+    assert history["loss_scale"] == [2.0**15] and np.isfinite(history["loss"][0])
+
+
+# ------------------------------------------------------ failures mid-step
+
+
+class BrokenMetrics(mp.MixedPrecisionModel):
+    """A train_step whose metric code raises after the update, until fixed."""
+
+    broken = True
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            scaled = self.optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        if type(self).broken:
+            raise ValueError("a bug in the metric code")
+        return {"loss": loss}
+
+
+def test_a_step_that_raised_leaves_nothing_behind_for_the_next_fit():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    x, y = classification_data(n=16)
+    inputs = keras.Input((6,))
+    outputs = keras.layers.Dense(3, activation="softmax", dtype="float32")(keras.layers.Dense(4)(inputs))
+    model = BrokenMetrics(inputs, outputs)
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    with pytest.raises(ValueError, match="metric code"):
+        model.fit(x, y, batch_size=8, verbose=0)
+    BrokenMetrics.broken = False
+    try:
+        history = model.fit(x, y, batch_size=8, epochs=2, verbose=0).history
+    finally:
+        BrokenMetrics.broken = True
+    assert history["skipped_steps"] == [0.0, 0.0]
+    assert model.scaler.diagnostics()["step_count"] == 4
