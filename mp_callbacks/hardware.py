@@ -17,6 +17,8 @@ passed in, so the advice for any machine can be tested on any other.
 from __future__ import annotations
 
 import functools
+import platform
+import re
 import statistics
 import time
 from collections.abc import Iterable, Mapping
@@ -214,6 +216,9 @@ class HardwareReport:
             f"native float16 {yes[cpu.native_float16]}"
             + (f" [{', '.join(sorted(cpu.features))}]" if cpu.features else "")
         )
+        note = _amx_note(cpu)
+        if note:
+            lines.append(note)
         lines.append(
             "Expected from the hardware: "
             + (", ".join(self.expected_fast_policies) or "no mixed policy faster than float32")
@@ -329,6 +334,23 @@ def _gpu_rules_reason(report: HardwareReport) -> tuple[str, str]:
         f"{weakest.name} (compute capability {cc}) predates Volta (7.0): no Tensor Cores, "
         "so mixed precision saves memory but rarely time."
     )
+
+
+def _amx_note(cpu: Any, release: str | None = None) -> str | None:
+    """What the CPU line needs said about Intel AMX: AMX-BF16 by name, and
+    that Linux below 5.16 does not enable AMX (its CPUs then show none)."""
+    if "amx_bf16" in cpu.features:
+        return "AMX-BF16: yes (Intel AMX tiles; TensorFlow's oneDNN kernels use them for bfloat16)"
+    if cpu.architecture not in ("x86_64", "AMD64") or platform.system() != "Linux":
+        return None
+    release = platform.release() if release is None else release
+    numbers = re.match(r"(\d+)\.(\d+)", release)
+    if numbers and (int(numbers.group(1)), int(numbers.group(2))) < (5, 16):
+        return (
+            f"AMX: not visible: Linux {numbers.group(0)} is below 5.16, which is needed to enable "
+            "Intel AMX; an AMX CPU computes bfloat16 far faster on a newer kernel."
+        )
+    return None
 
 
 def _cpu_rules_reason(report: HardwareReport) -> tuple[str, str]:

@@ -26,6 +26,10 @@ def _recorded(name: str) -> str:
         ("linux-x86_64-amd-epyc-avx512-bf16.txt", "x86_64", "AMD EPYC", {"avx512_bf16"}, True, False),
         ("linux-x86_64-xeon-8259cl-no-bf16.txt", "x86_64",
          "Intel(R) Xeon(R) Platinum 8259CL CPU @ 2.50GHz", set(), False, False),
+        # AVX512-FP16 is float16 arithmetic TensorFlow's training does not
+        # use (float16 trained at 0.007x of float32 there): not native.
+        ("linux-x86_64-xeon-amx-bf16-avx512-fp16.txt", "x86_64", "Intel(R) Xeon(R) Processor",
+         {"amx_bf16", "avx512_bf16", "avx512_fp16"}, True, False),
         ("linux-aarch64-graviton3.txt", "aarch64", "Arm Neoverse V1 (e.g. AWS Graviton3)",
          {"bf16", "asimdhp"}, True, True),
         ("linux-aarch64-graviton2.txt", "aarch64", "Arm Neoverse N1 (e.g. AWS Graviton2)",
@@ -94,3 +98,14 @@ def test_unreadable_features_are_unknown_not_absent(system):
 def test_this_machine_is_read():
     info = read_cpu_info()
     assert info.model and info.architecture
+
+
+def test_amx_is_named_and_an_old_linux_kernel_is_called_out():
+    from mp_callbacks.hardware import _amx_note
+
+    amx = parse_proc_cpuinfo(_recorded("linux-x86_64-xeon-amx-bf16-avx512-fp16.txt"), "x86_64")
+    assert "AMX-BF16: yes" in _amx_note(amx)
+    no_amx = CpuInfo("Intel(R) Xeon(R) Platinum 8480+", "x86_64", frozenset({"avx512_bf16"}), "/proc/cpuinfo")
+    if __import__("platform").system() == "Linux":
+        assert "below 5.16" in _amx_note(no_amx, release="5.15.0-91-generic")
+        assert _amx_note(no_amx, release="6.8.0") is None
