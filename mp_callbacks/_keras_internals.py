@@ -55,6 +55,14 @@ def all_layers(layer: Any, include_self: bool = False, recursive: bool = True) -
     return list(layer._flatten_layers(include_self=include_self, recursive=recursive))
 
 
+def keras_default_method(method: Callable) -> Callable:
+    """Marks `method` as Keras's own default (`keras.src.utils.python_utils.default`):
+    Keras then treats a class that does not override it as one that does
+    not (its auto-config of `get_config`)."""
+    method._is_default = True  # type: ignore[attr-defined]
+    return method
+
+
 def output_layers(model: Any) -> list[Any]:
     """The layers that produce a functional model's outputs (each tensor's
     `_keras_history`), in output order; none for a model without a graph."""
@@ -169,6 +177,12 @@ def _epoch_iterator() -> bool:
     )
     batch = first_batch_of_epoch_iterator(iterator.enumerate_epoch())
     return batch is not None and tuple(np.shape(batch[0] if isinstance(batch, tuple) else batch)) == (2, 1)
+
+
+def _default_method_marker() -> bool:
+    from keras.src.utils import python_utils
+
+    return python_utils.is_default(keras_default_method(lambda: None))
 
 
 def _layer_walk() -> bool:
@@ -346,6 +360,17 @@ INTERNALS = (
         "TensorFlow CollectiveAllReduceExtended._in_multi_worker_mode",
         "model.py: logs shaped [1] only under a real multi-worker strategy",
         _multi_worker_mode_flag,
+    ),
+    Internal(
+        "keras.src.utils.python_utils.default: Operation.get_config auto-configures a class "
+        "whose get_config carries _is_default",
+        "model.py MixedPrecisionModel.get_config (a subclass without one is refused at save, as in Keras)",
+        _default_method_marker,
+    ),
+    Internal(
+        "KerasTensor._keras_history (the layer that produced a tensor)",
+        "model_checks.py, model.py from_model (the output layers)",
+        lambda: hasattr(keras.Input((1,)), "_keras_history"),
     ),
     Internal(
         "Layer._flatten_layers(include_self, recursive), Functional._run_through_graph",

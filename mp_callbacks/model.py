@@ -28,6 +28,7 @@ from mp_callbacks._keras_internals import (
     functional_class,
     functional_init_arguments,
     init_functional,
+    keras_default_method,
     register_serialized_name,
 )
 from mp_callbacks._step_record import StepRecord
@@ -732,6 +733,12 @@ class MixedPrecisionModel(keras.Model):
         self._epoch_signals.reset()
 
     # ---------------------------------------------------------- save / load
+    # Marked as Keras's own default, so that a subclass without a get_config
+    # of its own is treated as stock Keras treats one: configured from its
+    # constructor arguments, or refused at save when they cannot be (a
+    # sub-model passed to __init__), rather than saved as a file that
+    # load_model cannot read.
+    @keras_default_method
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
         if self._loss_scale is None:

@@ -255,3 +255,23 @@ def test_a_step_that_raised_leaves_nothing_behind_for_the_next_fit():
         BrokenMetrics.broken = True
     assert history["skipped_steps"] == [0.0, 0.0]
     assert model.scaler.diagnostics()["step_count"] == 4
+
+
+# ------------------------------------------------------------------ saving
+
+
+def test_a_subclass_without_get_config_is_refused_at_save_as_in_keras(tmp_path):
+    class Wrapper(mp.MixedPrecisionModel):
+        def __init__(self, encoder, **kwargs):
+            super().__init__(**kwargs)
+            self.encoder = encoder
+
+        def call(self, x):
+            return self.encoder(x)
+
+    keras.mixed_precision.set_global_policy("float32")
+    model = Wrapper(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]))
+    model.compile("sgd", "mse")
+    model.fit(np.ones((4, 3)), np.ones((4, 2)), verbose=0)
+    with pytest.raises(NotImplementedError, match="get_config"):
+        model.save(tmp_path / "wrapper.keras")
