@@ -102,10 +102,14 @@ class EpochTimer(MixedPrecisionCallback):
         self._phase = _TRAINING
         self._val_seconds = None
         self._epoch_steps = 0
+        self._last_batch_end: float | None = None
         self._epoch_begin = self._clock()
 
     def on_train_batch_end(self, batch, logs=None):
         self._epoch_steps = max(self._epoch_steps, batch + 1)
+        # Training ends at the last batch, not at this callback's epoch end:
+        # callbacks before it (NaNGradientMonitor's replay) are not training.
+        self._last_batch_end = self._clock()
 
     def on_test_begin(self, logs=None):
         if self._phase == _TRAINING:  # fit's validation (not evaluate() outside fit)
@@ -179,7 +183,8 @@ class EpochTimer(MixedPrecisionCallback):
 
     # ------------------------------------------------------------ helpers
     def _end_training_part(self) -> None:
-        self._train_seconds = self._clock() - self._epoch_begin
+        end = self._last_batch_end if self._last_batch_end is not None else self._clock()
+        self._train_seconds = end - self._epoch_begin
         self._samples = self._count_samples()
 
     def _count_samples(self) -> float | None:

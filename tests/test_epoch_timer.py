@@ -87,9 +87,11 @@ def test_a_fresh_timer_summarises_nothing():
 def test_hooks_give_exact_records_logs_and_summary():
     timer = mp.EpochTimer(time_validation=True)
     timer.set_model(_compiled_model_with_sample_count(48))
-    # train begins at 5; epoch 1: 10 -> 16 training, 16 -> 19 validation;
-    # epoch 2: 20 -> 22, no validation; epoch 3: 30 -> 34, 34 -> 35; end at 40.
-    timer._clock = _Clock(5.0, 10.0, 16.0, 16.0, 19.0, 20.0, 22.0, 30.0, 34.0, 34.0, 35.0, 40.0)
+    # train begins at 5; epoch 1: 10 -> 16 training (its batches end at 12,
+    # 14, 16), 16 -> 19 validation; epoch 2: 20 -> 22, no validation; epoch
+    # 3: 30 -> 34, 34 -> 35; end at 40. Training ends at its last batch.
+    timer._clock = _Clock(5.0, 10.0, 12.0, 14.0, 16.0, 16.0, 19.0, 20.0, 21.0, 21.5, 22.0,
+                          30.0, 32.0, 33.0, 34.0, 34.0, 35.0, 40.0)
     timer.on_train_begin()
     logs_per_epoch = []
     for epoch, validate in enumerate((True, False, True)):
@@ -199,3 +201,29 @@ def test_samples_per_sec_is_right_or_absent_for_the_guides_own_train_step():
         counted[base] = (timer.records[0]["samples"], "samples_per_sec" in history)
     assert counted[GuideModel] == (32.0, True)  # counted from the batches
     assert counted[stock_step] == (None, False)  # not 4 samples: absent
+
+
+def test_figures_do_not_depend_on_the_callback_order():
+    # A callback before the timer that spends 100 s at each epoch end (as
+    # NaNGradientMonitor's replay does) is not training time.
+    class FakeClock:
+        now = 0.0
+
+        def __call__(self):
+            self.now += 1.0
+            return self.now
+
+    class SlowAtEpochEnd(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            clock.now += 100.0
+
+    figures = []
+    for order in ("timer first", "timer last"):
+        clock = FakeClock()
+        timer = mp.EpochTimer()
+        timer._clock = clock
+        callbacks = [timer, SlowAtEpochEnd()] if order == "timer first" else [SlowAtEpochEnd(), timer]
+        model = _stock_model()
+        model.fit(np.ones((8, 8)), np.zeros((8, 1)), batch_size=4, epochs=2, verbose=0, callbacks=callbacks)
+        figures.append([(r["epoch_time"], r["steps"]) for r in timer.records])
+    assert figures[0] == figures[1] == [(2.0, 2), (2.0, 2)]
