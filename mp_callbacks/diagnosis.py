@@ -344,7 +344,9 @@ def _gradients(
             try:
                 gradients[first : first + count] = tape.gradient(loss, targets[first : first + count])
             except _NO_GRADIENT as error:
-                notes.append(f"no gradient for the {what} of {layer.name!r} ({type(error).__name__}: {error}).")
+                notes.append(
+                    f"no gradient for the {what} of {layer.name!r} ({type(error).__name__}: {error})."
+                )
     return gradients
 
 
@@ -416,7 +418,9 @@ def diagnose_batch(
         for variable, value in zip(forward_state, saved_state):
             variable.assign(value)
 
-    def forward(watch_inputs: bool) -> tuple[Any, Any, Any, list[Any], dict[int, list[tuple[list[Any], list[Any]]]]]:
+    def forward(
+        watch_inputs: bool,
+    ) -> tuple[Any, Any, Any, list[Any], dict[int, list[tuple[list[Any], list[Any]]]]]:
         tape = tf.GradientTape(persistent=True)
         loss = scaled_loss = None
         try:

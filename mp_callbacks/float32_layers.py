@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
-from typing import Any
 
 from mp_callbacks._backend import keras
 from mp_callbacks._cloning import layers_within, rebuilt, set_nested_dtypes

@@ -23,12 +23,12 @@ from mp_callbacks._backend import keras, tf
 from mp_callbacks._keras_internals import (
     LossScaleSaveable,
     all_layers,
-    output_layers,
     first_batch_of_epoch_iterator,
     functional_class,
     functional_init_arguments,
     init_functional,
     keras_default_method,
+    output_layers,
     register_serialized_name,
 )
 from mp_callbacks._step_record import StepRecord

@@ -9,6 +9,9 @@ import threading
 import warnings
 from typing import Any
 
+import numpy as np
+
+from mp_callbacks._backend import keras
 from mp_callbacks._callback_support import MixedPrecisionCallback
 from mp_callbacks._loss_scale_source import LossScaleSource
 from mp_callbacks._validation import check_choice, check_int
@@ -235,14 +238,40 @@ class NaNGradientMonitor(MixedPrecisionCallback):
             logger.warning("NaNGradientMonitor: could not replay the kept batch: %s", error)
             return None
 
+    def _nonfinite_input_rows(self) -> tuple[int, int] | None:
+        """(rows with a NaN or inf input, rows) of the kept batch, when some have one."""
+        kept = getattr(self.model, "kept_batch", None)
+        batch = kept() if callable(kept) else None
+        if batch is None:
+            return None
+        (x, _, _), _ = batch
+        flat = [np.asarray(t) for t in keras.tree.flatten(x) if t is not None]
+        flat = [t for t in flat if np.issubdtype(t.dtype, np.floating) and t.ndim >= 1]
+        if not flat:
+            return None
+        bad = np.zeros(len(flat[0]), bool)
+        for tensor in flat:
+            if len(tensor) == len(bad):
+                bad |= ~np.isfinite(tensor.reshape(len(tensor), -1)).all(axis=1)
+        return (int(bad.sum()), len(bad)) if bad.any() else None
+
     def _diverge(self, step: int, reason: str, culprits: list[str], scale: float | None) -> None:
         report = self._replay_kept_batch()
+        bad_rows = self._nonfinite_input_rows()
+        origin: str | None
         variables_text = (
             f"Non-finite gradients in {len(culprits)} variable(s): {', '.join(culprits)}."
             if culprits
             else "No gradient was non-finite at the checks."
         )
-        if report is not None and report.origin is not None:
+        if bad_rows is not None:
+            origin = "input"
+            where = (
+                f"The batch of the last skipped step holds non-finite input values ({bad_rows[0]} "
+                f"of its {bad_rows[1]} rows have a NaN or inf): bad data, not an overflow. The step "
+                f"was skipped and the weights are intact; fix or drop those rows. {variables_text}"
+            )
+        elif report is not None and report.origin is not None:
             origin = report.origin
             if origin == "loss":
                 located = (

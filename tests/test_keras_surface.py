@@ -275,3 +275,21 @@ def test_a_subclass_without_get_config_is_refused_at_save_as_in_keras(tmp_path):
     model.fit(np.ones((4, 3)), np.ones((4, 2)), verbose=0)
     with pytest.raises(NotImplementedError, match="get_config"):
         model.save(tmp_path / "wrapper.keras")
+
+
+# ------------------------------------------------------------ bad data
+
+
+def test_a_nonfinite_input_row_is_named_as_bad_data_not_an_overflow():
+    keras.mixed_precision.set_global_policy("float32")
+    x, y = classification_data(n=32)
+    x[8, 2] = np.nan
+    inputs = keras.Input((6,))
+    outputs = keras.layers.Dense(3, activation="softmax", name="head")(keras.layers.Dense(4, name="first")(inputs))
+    model = mp.MixedPrecisionModel(inputs, outputs)
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    monitor = mp.NaNGradientMonitor(action="warn", check_every=1)
+    with pytest.warns(mp.MixedPrecisionWarning, match="non-finite input values \\(1 of its 8 rows"):
+        history = model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[monitor]).history
+    assert history["skipped_steps"] == [1.0]
+    assert monitor.error.origin == "input" and "output overflowed" not in str(monitor.error)
