@@ -3,7 +3,7 @@
 A `MixedPrecisionModel` opens one record around every training step,
 its own or a subclass's `train_step`, on the model's `LossScaler`.
 While it is open, the scale notes the losses the step computed and scaled,
-whether gradients were unscaled by hand, and the outcome of every apply
+and the outcome of every apply
 (applied or skipped, gradient norm); the model then advances the state
 machine once and reports the step. Everything here happens while the
 step is traced (or, eagerly, while it runs): it holds tensors of that
@@ -29,8 +29,6 @@ class StepRecord:
             scaled (`LossScaler.scale`, `LossScaleOptimizer.scale_loss`
             or `get_scaled_loss`).
         loss_scaled: True once a loss was multiplied by the scale.
-        unscaled_by_hand: True when the step called `unscale` itself since
-            the last apply: gradients given to an apply are then unscaled.
         applied: one boolean tensor per apply through the scale.
         norms: the global norm of each apply's unscaled gradients.
         norm_factor: multiplies the reported norm (the replica count, for
@@ -39,7 +37,6 @@ class StepRecord:
 
     losses: list[Any] = field(default_factory=list)
     loss_scaled: bool = False
-    unscaled_by_hand: bool = False
     applied: list[tf.Tensor] = field(default_factory=list)
     norms: list[tf.Tensor] = field(default_factory=list)
     norm_factor: int = 1
@@ -51,7 +48,6 @@ class StepRecord:
     def note_apply(self, applied: tf.Tensor, norm: tf.Tensor) -> None:
         self.applied.append(applied)
         self.norms.append(norm)
-        self.unscaled_by_hand = False
 
     @property
     def stepped(self) -> bool:

@@ -50,6 +50,7 @@ from mp_callbacks._scale_state import (
 )
 from mp_callbacks._skip import apply_or_skip, restore_if_skipped
 from mp_callbacks._step_record import StepRecord
+from mp_callbacks._unscale_stage import clear_stage, stage_of
 from mp_callbacks._validation import FLOAT32_MAX, fail
 from mp_callbacks.errors import MixedPrecisionWarning
 
@@ -333,6 +334,7 @@ class LossScaler(tf.Module):
                 # A step that raised (a bug in its metric code, Ctrl-C) left
                 # its applies pending: nothing of it may reach the next step.
                 _per_thread("pending").pop(id(self), None)
+                clear_stage(self)
 
     def finish_step(self, record: StepRecord) -> None:
         """Advances the state machine once for the recorded step's applies."""
@@ -368,17 +370,30 @@ class LossScaler(tf.Module):
 
     @_no_autograph
     def unscale(self, grads: Iterable[Any], variables: Iterable[Any] | None = None) -> list[Any]:
-        """Divides each gradient by the scale; None gradients pass through.
+        """Divides each gradient by the scale; None gradients pass through
+        (PyTorch's `GradScaler.unscale_`).
+
+        The one unscaling rule: a step's gradients are divided once. After
+        `unscale` (to clip them, say), the next `step` of the same
+        `variables` (or, when none were given, the next `step` or
+        `LossScaleOptimizer` apply through this scale) takes its gradients
+        as unscaled and does not divide them again. `apply_gradients`
+        always takes unscaled gradients.
 
         With `variables`, the "gradients" of variables that Keras overwrites
         with their gradient (`overwrite_with_gradient`: float8 layers' scales
         and amax histories) pass through unchanged, as in Keras's own
-        `LossScaleOptimizer`. Inside a `MixedPrecisionModel`'s training
-        step, the model's optimizer then takes these gradients as unscaled.
+        `LossScaleOptimizer`.
+
+        Raises:
+            RuntimeError: these gradients (or these variables' gradients)
+                were already unscaled in this step and not yet applied.
         """
-        if self._record is not None:
-            self._record.unscaled_by_hand = True
-        return self._unscale(grads, variables)
+        grads = list(grads)
+        variables = None if variables is None else list(variables)
+        unscaled = self._unscale(grads, variables)
+        stage_of(self).mark_unscaled(grads, unscaled, variables)
+        return unscaled
 
     def _unscale(self, grads: Iterable[Any], variables: Iterable[Any] | None = None) -> list[Any]:
         grads = list(grads)
@@ -495,6 +510,31 @@ class LossScaler(tf.Module):
         gradient accumulation) is put in a `tf.cond` instead; the design
         notes of the documentation say why and how this is checked.
         """
+        variables = list(variables)
+        # Unscaled gradients, by hand or otherwise: an unscale() of them is used up.
+        stage_of(self).take_unscaled(variables)
+        return self._apply_unscaled(
+            optimizer,
+            grads,
+            variables,
+            loss=loss,
+            restore_on_skip=restore_on_skip,
+            update=update,
+            checked=checked,
+        )
+
+    def _apply_unscaled(
+        self,
+        optimizer: keras.optimizers.Optimizer,
+        grads: Iterable[Any],
+        variables: Iterable[Any],
+        loss: Any = None,
+        restore_on_skip: Sequence[tuple[Any, Any]] = (),
+        update: bool | None = None,
+        checked: CheckedGradients | None = None,
+    ) -> tf.Tensor:
+        """`apply_gradients` without touching the unscale stage: the one
+        path by which every apply reaches the decision."""
         grads = list(grads)
         variables = list(variables)
         if len(grads) != len(variables):
@@ -542,6 +582,7 @@ class LossScaler(tf.Module):
         entry = (variables, flags, applied if replicas == 1 else None)
         if update:
             self._advance([entry])
+            clear_stage(self)  # the step ends here
         else:
             self._pending.append(entry)
         return applied
@@ -566,13 +607,16 @@ class LossScaler(tf.Module):
             grads = tape.gradient(scaled_loss, variables)
             loss_scale.step(optimizer, grads, variables, loss=loss)
 
+        Gradients already passed through `unscale` in this step (clipped
+        since, say) are not divided again: see `unscale` for the rule.
+
         Args and Returns: as for `apply_gradients`, with `grads` the
         gradients of the scaled loss.
         """
         variables = list(variables)
-        return self.apply_gradients(
-            optimizer, self._unscale(grads, variables), variables, loss=loss, update=update
-        )
+        if stage_of(self).take_unscaled(variables) is None:
+            grads = self._unscale(grads, variables)
+        return self._apply_unscaled(optimizer, grads, variables, loss=loss, update=update)
 
     def _plain_optimizer(self, optimizer: Any) -> Any:
         """The optimizer that applies the gradients: never one that would
@@ -645,6 +689,7 @@ class LossScaler(tf.Module):
         pending = list(self._pending)
         self._pending.clear()
         self._advance(pending)
+        clear_stage(self)
 
     def _advance(self, entries: list[tuple[list[Any], tf.Tensor, tf.Tensor | None]]) -> None:
         """One transition for a step made of `entries` (variables, flags,

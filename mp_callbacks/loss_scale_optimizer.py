@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from mp_callbacks._backend import keras, tf
+from mp_callbacks._unscale_stage import stage_of
 from mp_callbacks._validation import check_int, fail
 from mp_callbacks.errors import MixedPrecisionWarning, UnsupportedArgumentError
 from mp_callbacks.loss_scale import LossScaler, check_fixed_scale, loss_scale_from_argument
@@ -265,8 +266,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._gradients_have_been_unscaled = False
         # Keras 3's way (scale_loss, then apply) asks for no such warning.
         self._keras_scales_the_loss = False
-        # get_unscaled_gradients since the last apply: those are unscaled.
-        self._unscaled_since_apply = False
         self.__dict__["_mp_delegating"] = True
 
     # ------------------------------------------- tf.keras's and Keras 3's attributes
@@ -327,10 +326,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     @tf.autograph.experimental.do_not_convert
     def get_unscaled_gradients(self, grads: Iterable[Any]) -> list[Any]:
         """Each gradient divided by the current scale (None passes through);
-        the next apply takes them as unscaled."""
+        the next apply takes them as unscaled (`LossScaler.unscale`'s rule;
+        as in tf.keras, calling it again is allowed and counts once).
+        """
         self._gradients_have_been_unscaled = True
-        self._unscaled_since_apply = True
-        return self.scaler._unscale(grads)
+        grads = list(grads)
+        unscaled = self.scaler._unscale(grads)
+        stage_of(self.scaler).mark_unscaled(grads, unscaled, None, strict=False)
+        return unscaled
 
     # ------------------------------------------------------------- applying
     @tf.autograph.experimental.do_not_convert
@@ -364,9 +367,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         loss_scale = self.scaler
         if self._built_variables is None:
             self._built_variables = variables
-        if self._gradients_are_scaled():
-            grads = loss_scale._unscale(grads, variables)
-        elif self._unscaled_since_apply and loss_scale.scaling_active:
+        by_hand = stage_of(loss_scale).take_unscaled(variables)
+        if by_hand is None:
+            if self._gradients_are_scaled():
+                grads = loss_scale._unscale(grads, variables)
+        elif by_hand == "without variables" and loss_scale.scaling_active:
             # get_unscaled_gradients cannot tell float8 state from gradients;
             # their values must reach the inner optimizer as computed.
             scale = loss_scale.loss_scale
@@ -374,16 +379,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 g * tf.cast(scale, g.dtype) if g is not None and _overwrites_with_gradient(v) else g
                 for g, v in zip(grads, variables)
             ]
-        self._unscaled_since_apply = False
-        loss_scale.apply_gradients(self.inner_optimizer, grads, variables)
+        loss_scale._apply_unscaled(self.inner_optimizer, grads, variables)
 
     def _gradients_are_scaled(self) -> bool:
-        if self._unscaled_since_apply:
-            return False
         record = self.scaler._record
         if record is not None:
             # A model's own train_step: scaled only if it scaled a loss.
-            return record.loss_scaled and not record.unscaled_by_hand
+            return record.loss_scaled
         return True
 
     def get_scale(self) -> float:

@@ -644,7 +644,7 @@ class MixedPrecisionModel(keras.Model):
                 restore += self._kept_batch.pairs(
                     (x, y, sample_weight), loss_scale._state["step_count"].read_value()
                 )
-            loss_scale.apply_gradients(
+            loss_scale._apply_unscaled(
                 self.optimizer,
                 grads,
                 variables,

@@ -293,3 +293,72 @@ def test_a_nonfinite_input_row_is_named_as_bad_data_not_an_overflow():
         history = model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[monitor]).history
     assert history["skipped_steps"] == [1.0]
     assert monitor.error.origin == "input" and "output overflowed" not in str(monitor.error)
+
+
+# -------------------------------------------------- the one unscaling rule
+
+
+def _clipping_setup():
+    variable = tf.Variable([0.0, 0.0])
+    scaler = mp.LossScaler(initial_scale=2.0**10)
+    return variable, scaler, keras.optimizers.SGD(1.0)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+@pytest.mark.parametrize("applies_with", ["step", "step with variables", "LossScaleOptimizer.apply"])
+def test_gradscalers_clipping_recipe_unscales_once(graph, applies_with):
+    # PyTorch's recipe: unscale, clip, step. The step must not divide again.
+    variable, scaler, sgd = _clipping_setup()
+    optimizer = mp.LossScaleOptimizer(sgd, loss_scale=scaler) if "LossScaleOptimizer" in applies_with else sgd
+
+    def train_step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(variable * tf.constant([3.0, 4.0]))
+            scaled = scaler.scale(loss)
+        grads = tape.gradient(scaled, [variable])
+        given = [variable] if applies_with == "step with variables" else None
+        grads = scaler.unscale(grads, given)
+        grads, _ = tf.clip_by_global_norm(grads, 1.0)
+        if applies_with == "LossScaleOptimizer.apply":
+            optimizer.apply(grads, [variable])
+        else:
+            scaler.step(optimizer, grads, [variable], loss=loss)
+
+    (tf.function(train_step) if graph else train_step)()
+    # The unscaled gradient (3, 4) clipped to norm 1: (0.6, 0.8), applied once.
+    np.testing.assert_allclose(variable.numpy(), [-0.6, -0.8], rtol=1e-6)
+
+
+def test_unscaling_the_same_gradients_twice_is_refused():
+    variable, scaler, _ = _clipping_setup()
+    grads = [tf.constant([1024.0, 2048.0])]
+    unscaled = scaler.unscale(grads)
+    with pytest.raises(RuntimeError, match="already unscaled in this step.*call unscale\\(\\) once"):
+        scaler.unscale(unscaled)
+    with pytest.raises(RuntimeError, match="already unscaled"):
+        scaler.unscale(grads)
+    scaler.unscale([tf.constant([1.0])], [variable])
+    with pytest.raises(RuntimeError, match="same variables"):
+        scaler.unscale([tf.constant([2.0])], [variable])
+
+
+def test_unscale_then_apply_in_a_models_own_train_step_divides_once():
+    class Clipping(mp.MixedPrecisionModel):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+                scaled = self.optimizer.scale_loss(loss)
+            grads = self.scaler.unscale(tape.gradient(scaled, self.trainable_variables))
+            self.optimizer.apply(grads, self.trainable_variables)
+            return {"loss": loss}
+
+    keras.mixed_precision.set_global_policy("float32")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((2,))
+    dense = keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")
+    model = Clipping(inputs, dense(inputs), loss_scale=mp.LossScaler.fixed(2.0**10))
+    model.compile(keras.optimizers.SGD(0.5), "mse")
+    model.fit(np.array([[1.0, 2.0]], "float32"), np.array([[1.0]], "float32"), verbose=0)
+    # d/dk (k.x - 1)^2 at k = 0 is -2x: one SGD step of 0.5 gives k = x.
+    np.testing.assert_allclose(dense.kernel.numpy().ravel(), [1.0, 2.0], rtol=1e-6)
