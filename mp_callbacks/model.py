@@ -173,50 +173,65 @@ def _for_multi_worker_reduction(logs: dict[str, Any]) -> dict[str, Any]:
 class _KeptBatch:
     """The last batch whose step was skipped, kept for `diagnose_batch`.
 
-    Variables of unknown shape, one per tensor of the batch, assigned only
-    in the skip branch of the step: healthy steps do no work for it and it
-    never holds more than one batch. Held in a plain object so that Keras
-    does not count these variables as the model's weights.
+    Variables, one per tensor of the batch, assigned only in the skip
+    branch of the step: healthy steps do no work for it. Without XLA they
+    have no fixed shape, so one set holds any batch; XLA cannot give a
+    variable a new shape, so under `jit_compile=True` there is one set per
+    batch shape (a full batch and an epoch's last, smaller one: XLA traces
+    each shape anyway), each with the step it was kept at, and `read` gives
+    the latest. Held in a plain object so that Keras does not count these
+    variables as the model's weights.
     """
 
     def __init__(self) -> None:
         self.structure: Any = None
-        self.variables: Any = None  # list[tf.Variable] once a batch was seen
-        self.step: Any = None
+        # key -> (variables, step variable); key None: the shapeless set.
+        self.sets: dict[Any, tuple[list[Any], Any]] = {}
         self.not_kept: str | None = None
 
-    def pairs(self, data: Any, step: Any) -> list[tuple[Any, Any]]:
+    def pairs(self, data: Any, step: Any, fixed_shapes: bool = False) -> list[tuple[Any, Any]]:
         """(variable, value) pairs that keep `data` when assigned; none for
-        a batch with sparse or ragged tensors, which a variable cannot hold
+        a batch with sparse or ragged tensors, which a variable cannot hold,
+        or (with `fixed_shapes`, for XLA) one whose shapes are not static
         (`not_kept` then says so)."""
         flat = [t for t in tf.nest.flatten(data) if t is not None]
         if any(isinstance(t, (tf.SparseTensor, tf.RaggedTensor)) for t in flat):
             self.not_kept = "its inputs are sparse or ragged tensors, which are not kept"
             return []
-        if self.variables is None:
+        if fixed_shapes and not all(t.shape.is_fully_defined() for t in flat):
+            self.not_kept = "with jit_compile=True its shapes are not static, and XLA keeps only static shapes"
+            return []
+        if self.structure is None:
+            # Only the layout (where the None entries are), not the tensors.
+            self.structure = tf.nest.map_structure(lambda t: None if t is None else True, data)
+        key = tuple((tuple(t.shape), t.dtype.name) for t in flat) if fixed_shapes else None
+        if key not in self.sets:
             with tf.init_scope():
-                self.variables = [
+                variables = [
                     tf.Variable(
-                        tf.zeros([0] * len(t.shape), t.dtype),
-                        shape=tf.TensorShape(None),
+                        tf.zeros(t.shape if fixed_shapes else [0] * len(t.shape), t.dtype),
+                        shape=t.shape if fixed_shapes else tf.TensorShape(None),
                         trainable=False,
                         name="kept_batch",
                     )
                     for t in flat
                 ]
-                self.step = tf.Variable(-1, dtype=tf.int64, trainable=False, name="kept_batch_step")
-            # Only the layout (where the None entries are), not the tensors.
-            self.structure = tf.nest.map_structure(lambda t: None if t is None else True, data)
-        if len(flat) != len(self.variables) or any(t.dtype != v.dtype for t, v in zip(flat, self.variables)):
+                step_variable = tf.Variable(-1, dtype=tf.int64, trainable=False, name="kept_batch_step")
+            self.sets[key] = (variables, step_variable)
+        variables, step_variable = self.sets[key]
+        if len(flat) != len(variables) or any(t.dtype != v.dtype for t, v in zip(flat, variables)):
             return []  # another structure than the first batch's: keep nothing
-        return list(zip(self.variables, flat)) + [(self.step, step)]
+        return list(zip(variables, flat)) + [(step_variable, step)]
 
     def read(self) -> tuple[Any, int] | None:
-        if self.variables is None or int(self.step.numpy()) < 0:
+        kept = [(int(step.numpy()), variables) for variables, step in self.sets.values()]
+        kept = [entry for entry in kept if entry[0] >= 0]
+        if not kept:
             return None
-        values = iter(v.numpy() for v in self.variables)
+        step, variables = max(kept, key=lambda entry: entry[0])
+        values = iter(v.numpy() for v in variables)
         leaves = [None if leaf is None else next(values) for leaf in tf.nest.flatten(self.structure)]
-        return tf.nest.pack_sequence_as(self.structure, leaves), int(self.step.numpy())
+        return tf.nest.pack_sequence_as(self.structure, leaves), step
 
 
 class _EpochSignals:
@@ -444,10 +459,11 @@ class MixedPrecisionModel(keras.Model):
 
         Returns `((x, y, sample_weight), step)` as NumPy values, `step`
         counting the loss scale's steps from 0, or None when no step has
-        been skipped (or under a `tf.distribute` strategy, with
-        `jit_compile=True`, with your own `train_step`, or for sparse or
-        ragged inputs, where batches are not kept: `kept_batch_note()`
-        says why). `diagnose_batch(model, *batch)` replays it.
+        been skipped (or under a `tf.distribute` strategy, with your own
+        `train_step`, for sparse or ragged inputs, or for batches of
+        unknown shape under `jit_compile=True`, where batches are not kept:
+        `kept_batch_note()` says why). Under `jit_compile=True` one batch is
+        kept per batch shape, and the latest is returned. `diagnose_batch(model, *batch)` replays it.
         """
         return self._kept_batch.read()
 
@@ -635,14 +651,20 @@ class MixedPrecisionModel(keras.Model):
             # One pass over the gradients gives both finiteness and the norm.
             checked = loss_scale.check_gradients(grads)
             restore = list(zip(forward_state, state_before))
-            # XLA cannot reshape a variable, and under tf.distribute each
-            # replica has its own shard: the batch is kept only where a
-            # plain eager replay of it is meaningful.
-            if num_replicas == 1 and self.jit_compile is not True:
+            # Under tf.distribute each replica has only its shard of the
+            # batch: replaying one shard would not be the step's batch.
+            if num_replicas == 1:
                 # The step number the batch would have had (0-based count
                 # of steps seen), kept with it on a skip.
                 restore += self._kept_batch.pairs(
-                    (x, y, sample_weight), loss_scale._state["step_count"].read_value()
+                    (x, y, sample_weight),
+                    loss_scale._state["step_count"].read_value(),
+                    fixed_shapes=self.jit_compile is True,
+                )
+            else:
+                self._kept_batch.not_kept = (
+                    f"under a tf.distribute strategy each of the {num_replicas} replicas holds only "
+                    "its own part of the batch, so no single batch is kept to replay"
                 )
             loss_scale._apply_unscaled(
                 self.optimizer,

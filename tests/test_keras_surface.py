@@ -362,3 +362,28 @@ def test_unscale_then_apply_in_a_models_own_train_step_divides_once():
     model.fit(np.array([[1.0, 2.0]], "float32"), np.array([[1.0]], "float32"), verbose=0)
     # d/dk (k.x - 1)^2 at k = 0 is -2x: one SGD step of 0.5 gives k = x.
     np.testing.assert_allclose(dense.kernel.numpy().ravel(), [1.0, 2.0], rtol=1e-6)
+
+
+# ------------------------------------------------------------- XLA
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["no XLA", "XLA"])
+def test_the_overflowing_layer_is_named_under_xla_too(jit_compile):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    x, y = classification_data(n=16)
+    x[8:] *= 1e3  # the second batch overflows float16 in "blowup"
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(4, name="first")(inputs)
+    h = keras.layers.Lambda(lambda t: t * 1e3, name="blowup")(h)
+    outputs = keras.layers.Dense(3, activation="softmax", dtype="float32", name="out")(h)
+    model = mp.MixedPrecisionModel(inputs, outputs)
+    model.compile("sgd", "sparse_categorical_crossentropy", jit_compile=jit_compile)
+    monitor = mp.NaNGradientMonitor(action="warn", check_every=1)
+    with pytest.warns(mp.MixedPrecisionWarning, match="diverged"):
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[monitor])
+    (kept_x, kept_y, _), step = model.kept_batch()
+    np.testing.assert_array_equal(kept_x, x[8:])
+    np.testing.assert_array_equal(kept_y, y[8:])
+    assert step == 1 and model.kept_batch_note() is None
+    assert monitor.error.origin == "blowup"
