@@ -188,7 +188,7 @@ class LossScaleMonitor(MixedPrecisionCallback):
             logs["skipped_steps"] = float(skipped)
         self._steps_before_epoch = step
         self._check_collapse(epoch, scale, self._lowest_scale)
-        self._check_skipped(epoch, skipped, steps, calibration)
+        self._check_skipped(epoch, skipped, steps, calibration, self._epoch_nonfinite_losses())
 
     # ------------------------------------------------------------ helpers
     def _record(self, step: int) -> float:
@@ -234,6 +234,14 @@ class LossScaleMonitor(MixedPrecisionCallback):
             )
         self._collapsed = collapsed_at(scale)
 
+    def _epoch_nonfinite_losses(self) -> int | None:
+        """Steps of this epoch whose loss was not finite (None: not counted)."""
+        loss_scale = self._source.scaler
+        if loss_scale is None or not self._counters_at_epoch_start:
+            return None
+        now = loss_scale.diagnostics()
+        return now["nonfinite_loss_steps"] - self._counters_at_epoch_start["nonfinite_loss_steps"]
+
     def _epoch_skips(self, logs: dict) -> tuple[float | None, int, int]:
         """(steps skipped, steps taken, skips while calibrating) this epoch,
         from the loss scale's own counters where there is one."""
@@ -255,7 +263,9 @@ class LossScaleMonitor(MixedPrecisionCallback):
         skipped = logs.get("skipped_steps")
         return (None if skipped is None else float(skipped)), self._epoch_steps, 0
 
-    def _check_skipped(self, epoch: int, skipped: float | None, steps: int, calibration: int) -> None:
+    def _check_skipped(
+        self, epoch: int, skipped: float | None, steps: int, calibration: int, epoch_losses: int | None = None
+    ) -> None:
         if skipped is None or not steps:
             return
         if calibration:
@@ -273,10 +283,29 @@ class LossScaleMonitor(MixedPrecisionCallback):
             also = f" (and {calibration} more while the scale calibrated)" if calibration else ""
             warnings.warn(
                 f"{counted:g} of {steps} steps ({fraction:.0%}) "
-                f"were skipped in epoch {epoch + 1}{also} because their gradients were "
-                f"non-finite (limit {self.max_skipped_fraction:.0%}). Try: a lower "
-                "initial loss scale or hysteresis=2 (LossScaler(initial_scale="
-                f"..., hysteresis=2)); {_ADVICE}.",
+                f"were skipped in epoch {epoch + 1}{also} because they were non-finite "
+                f"(limit {self.max_skipped_fraction:.0%}). {self._advice(epoch_losses)}",
                 MixedPrecisionWarning,
                 stacklevel=2,
             )
+
+    def _advice(self, nonfinite_losses: int | None) -> str:
+        """What to try, for the setting the skips happened in."""
+        scaler = self._source.scaler
+        if nonfinite_losses:
+            return (
+                f"{nonfinite_losses} of them had a non-finite loss, which no loss scale causes (it "
+                "is computed before scaling): check the data for NaN/inf inputs and labels "
+                "(NaNGradientMonitor names a bad batch), keep softmax, sigmoid and "
+                "normalization outputs in float32, or lower the learning rate."
+            )
+        if scaler is not None and scaler.is_dynamic:
+            return (
+                "Try: a lower initial loss scale or hysteresis=2 (LossScaler(initial_scale="
+                f"..., hysteresis=2)); {_ADVICE}."
+            )
+        if scaler is not None and scaler.scaling_active:
+            return (
+                f"Try: a lower fixed loss scale than {scaler.initial_scale:g}, or a dynamic one; {_ADVICE}."
+            )
+        return f"No loss scale is in use, so the gradients overflow by themselves. Try: {_ADVICE}."

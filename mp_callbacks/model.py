@@ -199,7 +199,9 @@ class _KeptBatch:
             self.not_kept = "its inputs are sparse or ragged tensors, which are not kept"
             return []
         if fixed_shapes and not all(t.shape.is_fully_defined() for t in flat):
-            self.not_kept = "with jit_compile=True its shapes are not static, and XLA keeps only static shapes"
+            self.not_kept = (
+                "with jit_compile=True its shapes are not static, and XLA keeps only static shapes"
+            )
             return []
         if self.structure is None:
             # Only the layout (where the None entries are), not the tensors.

@@ -43,7 +43,10 @@ class NaNGradientMonitor(MixedPrecisionCallback):
     minimum is overflow that loss scaling is handling: it is counted and
     training goes on. Divergence is a non-finite loss, or non-finite
     gradients with the scale pinned at its minimum (or with no loss scaling
-    at all), for `patience` consecutive steps. The diagnosis names the
+    at all), for `patience` consecutive steps; but when the batch of the
+    last skipped step holds a NaN or inf input, it is bad data, not
+    divergence: the step was skipped, a warning names the rows, and
+    training goes on. The diagnosis names the
     variables whose gradients were non-finite and the layer nearest the loss
     among them. `TerminateOnNaN` and Keras's `LossScaleOptimizer` give no
     location; `tf.debugging.enable_check_numerics` does, at a large cost.
@@ -74,6 +77,9 @@ class NaNGradientMonitor(MixedPrecisionCallback):
         skipped_steps: steps skipped for non-finite gradients so far.
         handled_steps: those of them that loss scaling handled (skipped
             with the scale above its minimum).
+        bad_data_steps: checks that found a divergent run whose last
+            skipped batch holds a NaN or inf input: bad data, warned about
+            and not acted on (the step was skipped, the weights are intact).
         error: the `NonFiniteGradientError` describing the divergence, or
             None while training is healthy.
 
@@ -107,6 +113,7 @@ class NaNGradientMonitor(MixedPrecisionCallback):
         self.check_every = check_every
         self.skipped_steps = 0
         self.handled_steps = 0
+        self.bad_data_steps = 0
         self.error: NonFiniteGradientError | None = None
         self._loss_scale = None
         # Keras may run batch hooks on a thread pool (async_safe): one check at a time.
@@ -256,22 +263,27 @@ class NaNGradientMonitor(MixedPrecisionCallback):
         return (int(bad.sum()), len(bad)) if bad.any() else None
 
     def _diverge(self, step: int, reason: str, culprits: list[str], scale: float | None) -> None:
-        report = self._replay_kept_batch()
         bad_rows = self._nonfinite_input_rows()
+        if bad_rows is not None:
+            # Bad data, skipped with the weights intact: not divergence.
+            self.bad_data_steps += 1
+            warnings.warn(
+                f"NaNGradientMonitor: by step {step}, a step was skipped whose batch holds "
+                f"non-finite input values ({bad_rows[0]} of its {bad_rows[1]} rows have a NaN or "
+                "inf): bad data, not divergence. The weights are intact and training goes on; fix "
+                "or drop those rows (model.kept_batch() returns the batch).",
+                MixedPrecisionWarning,
+                stacklevel=2,
+            )
+            return
+        report = self._replay_kept_batch()
         origin: str | None
         variables_text = (
             f"Non-finite gradients in {len(culprits)} variable(s): {', '.join(culprits)}."
             if culprits
             else "No gradient was non-finite at the checks."
         )
-        if bad_rows is not None:
-            origin = "input"
-            where = (
-                f"The batch of the last skipped step holds non-finite input values ({bad_rows[0]} "
-                f"of its {bad_rows[1]} rows have a NaN or inf): bad data, not an overflow. The step "
-                f"was skipped and the weights are intact; fix or drop those rows. {variables_text}"
-            )
-        elif report is not None and report.origin is not None:
+        if report is not None and report.origin is not None:
             origin = report.origin
             if origin == "loss":
                 located = (

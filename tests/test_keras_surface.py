@@ -280,7 +280,7 @@ def test_a_subclass_without_get_config_is_refused_at_save_as_in_keras(tmp_path):
 # ------------------------------------------------------------ bad data
 
 
-def test_a_nonfinite_input_row_is_named_as_bad_data_not_an_overflow():
+def test_one_bad_input_row_is_bad_data_it_does_not_stop_training():
     keras.mixed_precision.set_global_policy("float32")
     x, y = classification_data(n=32)
     x[8, 2] = np.nan
@@ -288,11 +288,20 @@ def test_a_nonfinite_input_row_is_named_as_bad_data_not_an_overflow():
     outputs = keras.layers.Dense(3, activation="softmax", name="head")(keras.layers.Dense(4, name="first")(inputs))
     model = mp.MixedPrecisionModel(inputs, outputs)
     model.compile("sgd", "sparse_categorical_crossentropy")
-    monitor = mp.NaNGradientMonitor(action="warn", check_every=1)
-    with pytest.warns(mp.MixedPrecisionWarning, match="non-finite input values \\(1 of its 8 rows"):
-        history = model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[monitor]).history
-    assert history["skipped_steps"] == [1.0]
-    assert monitor.error.origin == "input" and "output overflowed" not in str(monitor.error)
+    monitor, scale_monitor = mp.NaNGradientMonitor(check_every=1), mp.LossScaleMonitor(max_skipped_fraction=0.1)
+    with pytest.warns(mp.MixedPrecisionWarning) as caught:
+        history = model.fit(
+            x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[monitor, scale_monitor]
+        ).history
+    messages = [str(w.message) for w in caught]
+    assert len(history["loss"]) == 3  # not stopped (the default action is "stop")
+    assert history["skipped_steps"] == [1.0, 1.0, 1.0]
+    assert monitor.error is None and monitor.bad_data_steps == 3
+    assert any("non-finite input values (1 of its 8 rows" in m and "not divergence" in m for m in messages)
+    assert not any("diverged" in m or "output overflowed" in m for m in messages)
+    # The advice fits the setting: no loss scale, and a non-finite loss.
+    skipped = [m for m in messages if "were skipped" in m]
+    assert skipped and all("non-finite loss" in m and "initial loss scale" not in m for m in skipped)
 
 
 # -------------------------------------------------- the one unscaling rule
