@@ -19,11 +19,21 @@ from collections.abc import Callable
 from typing import Any
 
 from mp_callbacks._backend import keras
-from mp_callbacks._keras_internals import all_layers
+from mp_callbacks._keras_internals import all_layers, in_memory_deserialization
 
 __all__ = ["copy_state", "layers_within", "rebuilt", "set_nested_dtypes"]
 
 _LOW_PRECISION = ("float16", "bfloat16")
+
+
+def _is_float_policy(dtype: Any) -> bool:
+    """Whether a layer's serialized dtype is a float policy: an integer one
+    (`Hashing`, `IntegerLookup` output ids) is the layer's output type."""
+    try:
+        policy = keras.dtype_policies.deserialize(dtype) if isinstance(dtype, dict) else keras.dtype_policies.get(dtype)
+    except (TypeError, ValueError):
+        return False
+    return "float" in str(policy.compute_dtype) and policy.quantization_mode is None
 
 
 def set_nested_dtypes(config: Any, dtype: Any = None, input_dtype: str | None = None) -> None:
@@ -35,7 +45,7 @@ def set_nested_dtypes(config: Any, dtype: Any = None, input_dtype: str | None = 
         inner = config.get("config")
         if "class_name" in config and isinstance(inner, dict) and "dtype" in inner:
             if config["class_name"] != "InputLayer":
-                if dtype is not None:
+                if dtype is not None and _is_float_policy(inner["dtype"]):
                     inner["dtype"] = copy.deepcopy(dtype)
             elif inner["dtype"] in _LOW_PRECISION and input_dtype is not None:
                 inner["dtype"] = input_dtype
@@ -52,19 +62,34 @@ def _is_input_layer(layer: Any) -> bool:
 
 def _paired_layers(source: keras.Model, target: keras.Model) -> list[tuple[Any, Any]]:
     """Each layer of `source` with the one in the same place in `target`
-    (names may differ: a custom layer's sublayers are named anew).
+    (names may differ: a custom layer's sublayers are named anew). A
+    stateless layer of `source` may be missing in `target`: Keras leaves
+    out of a float32 graph a preprocessing layer that returns a float32
+    input as it is (`Equalization` on a symbolic input).
 
     Raises:
-        ValueError: the two models' layers differ.
+        ValueError: the two models' layers differ otherwise.
     """
     ours, theirs = all_layers(source, include_self=True), all_layers(target, include_self=True)
     # The models themselves may differ in class (float32_copy's is a plain keras.Model).
-    if len(ours) != len(theirs) or any(type(a) is not type(b) for a, b in zip(ours[1:], theirs[1:])):
-        raise ValueError(
-            f"Cannot copy model {source.name!r}: rebuilt from its config it has other layers "
-            "(does a custom layer's get_config give back the same layer?)."
-        )
-    return list(zip(ours, theirs))
+    pairs = [(ours[0], theirs[0])]
+    remaining = iter(theirs[1:])
+    candidate = next(remaining, None)
+    for layer in ours[1:]:
+        if candidate is not None and type(candidate) is type(layer):
+            pairs.append((layer, candidate))
+            candidate = next(remaining, None)
+        elif layer.weights:
+            break  # a layer with state and no counterpart
+    else:
+        if candidate is None:
+            return pairs
+    raise ValueError(
+        f"Cannot copy model {source.name!r}: rebuilt from its config it has other layers "
+        f"({[type(layer).__name__ for layer in theirs[1:]]} instead of "
+        f"{[type(layer).__name__ for layer in ours[1:]]}; does a custom layer's get_config give "
+        "back the same layer?)."
+    )
 
 
 def _copy_state(pairs: list[tuple[Any, Any]]) -> None:
@@ -91,6 +116,8 @@ def _set_policies(pairs: list[tuple[Any, Any]], policy_for: Callable[[Any], Any]
             continue
         if getattr(clone.dtype_policy, "quantization_mode", None) is not None:
             continue  # a quantized layer keeps its quantization
+        if "float" not in str(clone.dtype_policy.compute_dtype):
+            continue  # an integer output (Hashing, IntegerLookup) is not a precision
         if clone.dtype_policy.name != keras.dtype_policies.get(policy).name:
             clone.dtype_policy = policy
 
@@ -123,7 +150,14 @@ def rebuilt(
     if global_policy is not None:
         keras.mixed_precision.set_global_policy(global_policy)
     try:
-        clone = cls.from_config(config)
+        with in_memory_deserialization():
+            clone = cls.from_config(config)
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"Cannot copy model {model.name!r}: Keras cannot rebuild it from its own config "
+            f"({error}). A .keras save and load of this model fails the same way; the layer "
+            "named there needs a get_config that its from_config accepts."
+        ) from error
     finally:
         keras.mixed_precision.set_global_policy(previous)
     pairs = _paired_layers(model, clone)

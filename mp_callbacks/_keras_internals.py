@@ -55,6 +55,16 @@ def all_layers(layer: Any, include_self: bool = False, recursive: bool = True) -
     return list(layer._flatten_layers(include_self=include_self, recursive=recursive))
 
 
+def in_memory_deserialization() -> Any:
+    """A scope in which `from_config` rebuilds a `Lambda` layer's Python
+    function (`keras.src.saving.serialization_lib.SafeModeScope(False)`):
+    copying a model in memory runs only the user's own code, which safe mode
+    guards files against."""
+    from keras.src.saving.serialization_lib import SafeModeScope
+
+    return SafeModeScope(False)
+
+
 def keras_default_method(method: Callable) -> Callable:
     """Marks `method` as Keras's own default (`keras.src.utils.python_utils.default`):
     Keras then treats a class that does not override it as one that does
@@ -366,6 +376,11 @@ INTERNALS = (
         "whose get_config carries _is_default",
         "model.py MixedPrecisionModel.get_config (a subclass without one is refused at save, as in Keras)",
         _default_method_marker,
+    ),
+    Internal(
+        "keras.src.saving.serialization_lib.SafeModeScope(safe_mode)",
+        "_cloning.py (a Lambda layer copied in memory)",
+        lambda: callable(getattr(in_memory_deserialization(), "__enter__", None)),
     ),
     Internal(
         "KerasTensor._keras_history (the layer that produced a tensor)",

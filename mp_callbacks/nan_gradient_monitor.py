@@ -97,9 +97,9 @@ class NaNGradientMonitor(MixedPrecisionCallback):
     model = MixedPrecisionModel(inputs, outputs, loss_scale=None)
     model.compile("sgd", "mse")
     monitor = NaNGradientMonitor(patience=2, action="stop", check_every=1)
-    x = np.full((16, 4), np.nan, "float32")
+    x = np.full((16, 4), 1e30, "float32")  # finite data whose loss overflows
     model.fit(x, np.zeros((16, 1)), batch_size=4, callbacks=[monitor], verbose=0)
-    print(monitor.error.origin, monitor.error.variables)  # head ['head/kernel', 'head/bias']
+    print(monitor.error.origin, monitor.error.variables)  # loss ['head/kernel']
     ```
     """
 

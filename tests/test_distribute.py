@@ -59,8 +59,9 @@ def test_dynamic_loss_scale_alone_in_a_custom_loop_under_mirrored(two_cpu_strate
         decisions.append([bool(a) for a in applied])
     assert decisions == [[True, True], [False, False], [True, True], [True, True]]
     assert int(optimizer.iterations.numpy()) == 3
-    # 256 -> 128 (overflow) -> 256 after two clean steps; same on both replicas.
-    assert _replica_values(loss_scale._scale) == [256.0, 256.0]
+    # The NaN row makes one replica's loss NaN: bad data, skipped on both
+    # without backing off; 256 -> 512 after two clean steps, on both replicas.
+    assert _replica_values(loss_scale._scale) == [512.0, 512.0]
     assert loss_scale.diagnostics()["skipped_steps"] == 1
     for variable in model.trainable_variables:
         replicas = _replica_values(variable)
