@@ -31,6 +31,7 @@ from mp_callbacks._keras_internals import (
     output_layers,
     register_serialized_name,
 )
+from mp_callbacks._forward_writes import written_variables
 from mp_callbacks._step_record import StepRecord
 from mp_callbacks.errors import MixedPrecisionWarning
 from mp_callbacks.loss_scale import AUTO, LossScaler, loss_scale_from_argument
@@ -79,7 +80,7 @@ def _accounted(train_step: Callable) -> Callable:
         if loss_scale is None or loss_scale._record is not None:
             return train_step(self, data)
         # The model's own step puts the forward pass's state back itself.
-        forward_state = None if standard else self._read_forward_state()
+        forward_state = None if standard else self._read_forward_state(data)
         with loss_scale.recording() as record:
             logs = train_step(self, data)
             self._epoch_signals.samples.update_state(tf.cast(_batch_size(data), tf.float32))
@@ -630,7 +631,7 @@ class MixedPrecisionModel(keras.Model):
         # The forward pass updates some state itself (BatchNormalization's
         # moving statistics, RNG seeds): read it first, so that a skipped
         # step can put it back. Reads are free until a write copies.
-        forward_state = self.non_trainable_variables
+        forward_state = self.non_trainable_variables + self._trainables_the_forward_pass_writes(x)
         state_before = [tf.identity(v.value) for v in forward_state]
         with tf.GradientTape() as tape:
             if self._call_has_training_arg:
@@ -681,10 +682,32 @@ class MixedPrecisionModel(keras.Model):
     train_step._mp_standard_step = True  # type: ignore[attr-defined]
     train_step = _accounted(train_step)
 
-    def _read_forward_state(self) -> list[tuple[Any, Any]]:
+    def _read_forward_state(self, data: Any) -> list[tuple[Any, Any]]:
         """(variable, value) for the state a forward pass may change, read
         before your own train_step runs."""
-        return [(v, tf.identity(v.value)) for v in self.non_trainable_variables]
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        state = self.non_trainable_variables + self._trainables_the_forward_pass_writes(x)
+        return [(v, tf.identity(v.value)) for v in state]
+
+    def _trainables_the_forward_pass_writes(self, x: Any) -> list[Any]:
+        """Trainable variables that the forward pass itself assigns
+        (SpectralNormalization writes its layer's normalized kernel), which a
+        skipped step must put back too. Found once per input signature by
+        tracing the forward pass into a throwaway graph; most models have
+        none, and their healthy steps read nothing more."""
+        try:
+            specs = tf.nest.map_structure(tf.type_spec_from_value, x)
+        except (TypeError, ValueError):
+            return []
+        cache = self.__dict__.setdefault("_mp_forward_writes", {})
+        key = repr(specs)
+        if key not in cache:
+            cache[key] = written_variables(
+                lambda inputs: self(inputs, training=True) if self._call_has_training_arg else self(inputs),
+                specs,
+                self.trainable_variables,
+            )
+        return cache[key]
 
     def _finish_step(self, record: StepRecord, logs: Any, forward_state: list[tuple[Any, Any]] | None) -> Any:
         """Ends a recorded step: one state update, the forward pass's state
