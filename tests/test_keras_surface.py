@@ -70,7 +70,11 @@ class PatchEncoder(keras.layers.Layer):
         return self.projection(patch) + self.position_embedding(positions)
 
     def get_config(self):
-        return {**super().get_config(), "num_patches": self.num_patches, "projection_dim": self.projection_dim}
+        return {
+            **super().get_config(),
+            "num_patches": self.num_patches,
+            "projection_dim": self.projection_dim,
+        }
 
 
 _X = np.random.default_rng(0).normal(3.0, 10.0, size=(16, 6, 4)).astype("float32")
@@ -146,7 +150,7 @@ def test_with_float32_layers_takes_a_custom_layers_name_and_its_sublayers(bfloat
     assert fixed.get_layer("bi").compute_dtype == "bfloat16"  # the others keep theirs
     fixed = mp.with_float32_layers(model, ["nested"])
     assert [layer.compute_dtype for layer in fixed.get_layer("nested").layers] == ["float32", "float32"]
-    with pytest.raises(ValueError, match="names.*no_such_layer"):
+    with pytest.raises(ValueError, match=r"names.*no_such_layer"):
         mp.with_float32_layers(model, ["no_such_layer"])
 
 
@@ -285,10 +289,15 @@ def test_one_bad_input_row_is_bad_data_it_does_not_stop_training():
     x, y = classification_data(n=32)
     x[8, 2] = np.nan
     inputs = keras.Input((6,))
-    outputs = keras.layers.Dense(3, activation="softmax", name="head")(keras.layers.Dense(4, name="first")(inputs))
+    outputs = keras.layers.Dense(3, activation="softmax", name="head")(
+        keras.layers.Dense(4, name="first")(inputs)
+    )
     model = mp.MixedPrecisionModel(inputs, outputs)
     model.compile("sgd", "sparse_categorical_crossentropy")
-    monitor, scale_monitor = mp.NaNGradientMonitor(check_every=1), mp.LossScaleMonitor(max_skipped_fraction=0.1)
+    monitor, scale_monitor = (
+        mp.NaNGradientMonitor(check_every=1),
+        mp.LossScaleMonitor(max_skipped_fraction=0.1),
+    )
     with pytest.warns(mp.MixedPrecisionWarning) as caught:
         history = model.fit(
             x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[monitor, scale_monitor]
@@ -342,7 +351,7 @@ def test_unscaling_the_same_gradients_twice_is_refused():
     variable, scaler, _ = _clipping_setup()
     grads = [tf.constant([1024.0, 2048.0])]
     unscaled = scaler.unscale(grads)
-    with pytest.raises(RuntimeError, match="already unscaled in this step.*call unscale\\(\\) once"):
+    with pytest.raises(RuntimeError, match=r"already unscaled in this step.*call unscale\(\) once"):
         scaler.unscale(unscaled)
     with pytest.raises(RuntimeError, match="already unscaled"):
         scaler.unscale(grads)

@@ -104,13 +104,19 @@ _SWEPT: dict[str, tuple[tuple[int, ...], object]] = {
     "Normalization": (_FLAT, None),  # adapted: built below
     "PReLU": (_FLAT, lambda: keras.layers.PReLU()),
     "Permute": (_SEQ, lambda: keras.layers.Permute((2, 1))),
-    "Pipeline": (_IMG, lambda: keras.layers.Pipeline([keras.layers.RandomFlip(), keras.layers.Rescaling(0.5)])),
+    "Pipeline": (
+        _IMG,
+        lambda: keras.layers.Pipeline([keras.layers.RandomFlip(), keras.layers.Rescaling(0.5)]),
+    ),
     "RMSNormalization": (_FLAT, lambda: keras.layers.RMSNormalization()),
     "RNN": (_SEQ, lambda: keras.layers.RNN(keras.layers.SimpleRNNCell(3))),
     "RandAugment": (_IMG, lambda: keras.layers.RandAugment(value_range=(0, 1))),
     "RandomBrightness": (_IMG, lambda: keras.layers.RandomBrightness(0.1, value_range=(0, 1))),
     "RandomColorDegeneration": (_IMG, lambda: keras.layers.RandomColorDegeneration(0.2)),
-    "RandomColorJitter": (_IMG, lambda: keras.layers.RandomColorJitter(value_range=(0, 1), brightness_factor=0.1)),
+    "RandomColorJitter": (
+        _IMG,
+        lambda: keras.layers.RandomColorJitter(value_range=(0, 1), brightness_factor=0.1),
+    ),
     "RandomContrast": (_IMG, lambda: keras.layers.RandomContrast(0.2)),
     "RandomCrop": (_IMG, lambda: keras.layers.RandomCrop(6, 6)),
     "RandomElasticTransform": (_IMG, lambda: keras.layers.RandomElasticTransform(value_range=(0, 1))),
@@ -134,10 +140,15 @@ _SWEPT: dict[str, tuple[tuple[int, ...], object]] = {
     "Reshape": (_FLAT, lambda: keras.layers.Reshape((2, 3))),
     "Resizing": (_IMG, lambda: keras.layers.Resizing(4, 4)),
     "ReversibleEmbedding": ((3,), None),  # integer ids: built below
-    "STFTSpectrogram": ((64, 1), lambda: keras.layers.STFTSpectrogram(frame_length=16, frame_step=8, fft_length=16)),
+    "STFTSpectrogram": (
+        (64, 1),
+        lambda: keras.layers.STFTSpectrogram(frame_length=16, frame_step=8, fft_length=16),
+    ),
     "MelSpectrogram": (
         (64,),
-        lambda: keras.layers.MelSpectrogram(fft_length=16, sequence_stride=8, sampling_rate=100, num_mel_bins=4),
+        lambda: keras.layers.MelSpectrogram(
+            fft_length=16, sequence_stride=8, sampling_rate=100, num_mel_bins=4
+        ),
     ),
     "SeparableConv1D": (_SEQ, lambda: keras.layers.SeparableConv1D(4, 2)),
     "SeparableConv2D": (_IMG, lambda: keras.layers.SeparableConv2D(4, 3)),
@@ -225,7 +236,9 @@ NOT_SWEPT = {
 }
 
 _OFFERED = sorted(
-    name for name, cls in inspect.getmembers(keras.layers, inspect.isclass) if issubclass(cls, keras.layers.Layer)
+    name
+    for name, cls in inspect.getmembers(keras.layers, inspect.isclass)
+    if issubclass(cls, keras.layers.Layer)
 )
 _SWEEP = [name for name in _OFFERED if name in _SWEPT]
 
@@ -354,7 +367,9 @@ def test_every_layer_skips_a_poisoned_batch_with_every_variable_kept(name):
     before = [v.numpy() for v in model.variables + model.optimizer.variables]
     bad_y = y.copy()
     bad_y[:8] = np.nan  # the labels: every layer's input stays valid
-    history = model.fit(x[:8] if not isinstance(x, list) else [t[:8] for t in x], bad_y[:8], verbose=0).history
+    history = model.fit(
+        x[:8] if not isinstance(x, list) else [t[:8] for t in x], bad_y[:8], verbose=0
+    ).history
     assert history["skipped_steps"] == [1.0]
     after = [v.numpy() for v in model.variables + model.optimizer.variables]
     for a, b in zip(before, after):
