@@ -328,6 +328,7 @@ def autotune(
         (x_train[i : i + n_diagnosis], y_train[i : i + n_diagnosis])
         for i in range(0, min(len(x_train), _DIAGNOSIS_BATCHES * n_diagnosis), n_diagnosis)
     ]
+    dropped: list[dict[str, Any]] = []  # candidates that could not run, and why
     evidence: list[dict[str, Any]] = [
         {
             "policy": "float32",
@@ -342,10 +343,14 @@ def autotune(
             continue
         began = time.monotonic()
         keras.utils.set_random_seed(seed)
-        model = build_model(build_function, policy, list(build_args), [], None)
-        model.set_weights(weights)
-        selection = select_float32_layers(model, diagnosis_batches)
-        layer_dtypes = _layer_dtypes(model, policy, selection.layers)
+        try:
+            model = build_model(build_function, policy, list(build_args), [], None)
+            model.set_weights(weights)
+            selection = select_float32_layers(model, diagnosis_batches)
+            layer_dtypes = _layer_dtypes(model, policy, selection.layers)
+        except Exception as error:  # one candidate that cannot run is dropped, not the call
+            dropped.append(_dropped(policy, "finding its float32 layers", error))
+            continue
         evidence.append(
             {
                 "policy": policy,
@@ -384,7 +389,11 @@ def autotune(
         time_budget,
         in_subprocess,
         started,
+        dropped,
     )
+    for candidate in dropped:
+        logger.warning("autotune: %s dropped: %s", candidate["policy"], candidate["error"])
+        notes.append(f"dropped: {candidate['policy']} ({candidate['error']})")
     if interrupted:
         for candidate in evidence:
             candidate.setdefault("metrics", None)
@@ -414,7 +423,7 @@ def autotune(
         initial_scale=chosen.get("initial_scale") if policy == "mixed_float16" else None,
         layer_dtypes=dict(chosen.get("layer_dtypes", {})),
         reasons=reasons,
-        candidates=[_public(c) for c in evidence],
+        candidates=[_public(c) for c in evidence + dropped],
         measured_on=device,
         interrupted=interrupted,
     )
@@ -474,9 +483,22 @@ def _layer_dtypes(model: keras.Model, policy: str, pinned: list[str]) -> dict[st
     return dtypes
 
 
+def _dropped(policy: str, stage: str, error: BaseException) -> dict[str, Any]:
+    """The evidence of a candidate that could not run: its policy, and why."""
+    first = (str(error).strip().splitlines() or [""])[0]
+    return {
+        "policy": policy,
+        "listed": True,
+        "float32_layers": [],
+        "verdict": "dropped",
+        "error": f"{stage} failed: {type(error).__name__}: {first}",
+    }
+
+
 def _public(candidate: dict[str, Any]) -> dict[str, Any]:
     keep = (
         "policy",
+        "error",
         "listed",
         "float32_layers",
         "reasons",
@@ -513,9 +535,11 @@ def _prove(
     time_budget: float | None,
     in_subprocess: bool,
     started: float,
+    dropped: list[dict[str, Any]],
 ) -> bool:
     """Trains every candidate side by side and adds the timings and the
-    validation results to `evidence`. Returns True if interrupted."""
+    validation results to `evidence`; a mixed candidate that fails to
+    train moves from `evidence` to `dropped`. Returns True if interrupted."""
     x_train, y_train, x_val, y_val = data
     per_epoch = max(1, len(x_train) // batch_size)
     steps = steps or max(_MIN_ROUNDS, min(200, 2 * per_epoch))
@@ -545,8 +569,15 @@ def _prove(
                 workers[candidate["policy"]] = (
                     ProcessCandidate(spec) if in_subprocess else LocalCandidate(spec, build)
                 )
-            for candidate in evidence:  # tracing and compiling, not timed
-                workers[candidate["policy"]].request({"cmd": "train", "steps": _WARMUP_STEPS})
+            for candidate in list(evidence):  # tracing and compiling, not timed
+                try:
+                    workers[candidate["policy"]].request({"cmd": "train", "steps": _WARMUP_STEPS})
+                except Exception as error:
+                    if candidate["policy"] == "float32":
+                        raise  # the reference itself: nothing to compare with
+                    dropped.append(_dropped(candidate["policy"], "training", error))
+                    evidence.remove(candidate)
+                    workers.pop(candidate["policy"]).close()
             return _rounds(evidence, workers, chunk, max_rounds, time_budget, started)
         finally:
             for worker in workers.values():

@@ -405,3 +405,30 @@ def test_the_overflowing_layer_is_named_under_xla_too(jit_compile):
     np.testing.assert_array_equal(kept_y, y[8:])
     assert step == 1 and model.kept_batch_note() is None
     assert monitor.error.origin == "blowup"
+
+
+# --------------------------------------------------------------- autotune
+
+
+def _pooled_volumes():
+    # TensorFlow has no float16 CPU kernel for AvgPool3D: the float16
+    # candidate cannot train (stock Keras fails the same way).
+    inputs = keras.Input((4, 4, 4, 2))
+    h = keras.layers.AveragePooling3D(2)(inputs)
+    outputs = keras.layers.Dense(2, dtype="float32")(keras.layers.Flatten()(h))
+    model = keras.Model(inputs, outputs)
+    model.compile("adam", "mse")
+    return model
+
+
+def test_autotune_drops_a_candidate_that_cannot_run_and_says_why():
+    x = np.random.default_rng(0).random((64, 4, 4, 4, 2)).astype("float32")
+    y = np.random.default_rng(1).random((64, 2)).astype("float32")
+    plan = mp.autotune(
+        _pooled_volumes, x, y, policies=["float32", "mixed_float16"], steps=5, batch_size=16, in_subprocess=False
+    )
+    assert plan.policy == "float32"
+    dropped = [c for c in plan.candidates if c.get("verdict") == "dropped"]
+    assert [c["policy"] for c in dropped] == ["mixed_float16"]
+    assert "AveragePooling3D" in dropped[0]["error"]  # names the layer that failed
+    assert any(reason.startswith("dropped: mixed_float16") for reason in plan.reasons)
