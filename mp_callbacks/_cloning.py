@@ -30,7 +30,11 @@ def _is_float_policy(dtype: Any) -> bool:
     """Whether a layer's serialized dtype is a float policy: an integer one
     (`Hashing`, `IntegerLookup` output ids) is the layer's output type."""
     try:
-        policy = keras.dtype_policies.deserialize(dtype) if isinstance(dtype, dict) else keras.dtype_policies.get(dtype)
+        policy = (
+            keras.dtype_policies.deserialize(dtype)
+            if isinstance(dtype, dict)
+            else keras.dtype_policies.get(dtype)
+        )
     except (TypeError, ValueError):
         return False
     return "float" in str(policy.compute_dtype) and policy.quantization_mode is None

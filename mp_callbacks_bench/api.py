@@ -264,7 +264,9 @@ def run_bench(
         ", ".join(to_run),
         hardware.device_summary(),
     )
-    results = compare(settings, in_subprocess=in_subprocess)
+    failed: list[dict[str, str]] = []
+    results = compare(settings, in_subprocess=in_subprocess, failed=failed)
+    skipped = skipped + failed  # shown as "not run: <policy>: <why>"
     # Runs were added where the first ones did not separate.
     settings.repeats = max(len(r.get("epoch_times_of_runs") or [None]) for r in results)
     recommended, why = verdict(results)

@@ -169,27 +169,53 @@ def run_in_subprocess(policy: str, settings: BenchSettings) -> dict[str, Any]:
             return json.load(handle)
 
 
-def compare(settings: BenchSettings, in_subprocess: bool = True) -> list[dict[str, Any]]:
+def compare(
+    settings: BenchSettings,
+    in_subprocess: bool = True,
+    failed: list[dict[str, str]] | None = None,
+    runner: Any = None,
+) -> list[dict[str, Any]]:
     """Runs every policy `settings.repeats` times, alternating the order
     (A B, B A, ...), keeps each policy's fastest run, and adds `speedup`
     (float32 epoch time / this one). The spread across runs is kept:
-    `epoch_times_of_runs`, `epoch_time_min`/`_max`, `accuracy_min`/`_max`."""
-    runner = run_in_subprocess if in_subprocess else run_policy
+    `epoch_times_of_runs`, `epoch_time_min`/`_max`, `accuracy_min`/`_max`.
+
+    A mixed policy whose run fails is dropped from the comparison, and
+    `{"policy", "reason"}` appended to `failed` (a float32 run that fails
+    raises: there is nothing to compare with). `runner(policy, settings)`
+    runs one policy (default: in a subprocess, or in this one)."""
+    if runner is None:
+        runner = run_in_subprocess if in_subprocess else run_policy
     runs: dict[str, list[dict[str, Any]]] = {policy: [] for policy in settings.policies}
+    failed = [] if failed is None else failed
     bound = max(settings.repeats, settings.max_repeats or 0)
     for repeat in range(bound):
         if repeat >= settings.repeats and _separated(runs):
             break  # more runs would not change the verdict
         order = settings.policies if repeat % 2 == 0 else settings.policies[::-1]
         for policy in order:
+            if policy not in runs:
+                continue  # failed earlier
             if not settings.quiet:
                 run = f" (run {repeat + 1}/{settings.repeats})" if settings.repeats > 1 else ""
                 if repeat >= settings.repeats:
                     run = f" (run {repeat + 1}: the runs so far do not separate)"
                 logger.info("[%s] training %s%s ...", policy, settings.model, run)
-            runs[policy].append(runner(policy, settings))
+            try:
+                runs[policy].append(runner(policy, settings))
+            except Exception as error:
+                if policy == "float32":
+                    raise
+                first = (str(error).strip().splitlines() or [""])[0]
+                failed.append(
+                    {"policy": policy, "reason": f"its run failed: {type(error).__name__}: {first}"}
+                )
+                logger.warning("[%s] dropped: %s", policy, failed[-1]["reason"])
+                del runs[policy]
     results = []
     for policy in settings.policies:
+        if policy not in runs:
+            continue
         best = min(runs[policy], key=lambda r: r["epoch_time"] or float("inf"))
         times = [r["epoch_time"] for r in runs[policy] if r["epoch_time"] is not None]
         best["epoch_times_of_runs"] = [r["epoch_time"] for r in runs[policy]]

@@ -425,10 +425,43 @@ def test_autotune_drops_a_candidate_that_cannot_run_and_says_why():
     x = np.random.default_rng(0).random((64, 4, 4, 4, 2)).astype("float32")
     y = np.random.default_rng(1).random((64, 2)).astype("float32")
     plan = mp.autotune(
-        _pooled_volumes, x, y, policies=["float32", "mixed_float16"], steps=5, batch_size=16, in_subprocess=False
+        _pooled_volumes,
+        x,
+        y,
+        policies=["float32", "mixed_float16"],
+        steps=5,
+        batch_size=16,
+        in_subprocess=False,
     )
     assert plan.policy == "float32"
     dropped = [c for c in plan.candidates if c.get("verdict") == "dropped"]
     assert [c["policy"] for c in dropped] == ["mixed_float16"]
     assert "AveragePooling3D" in dropped[0]["error"]  # names the layer that failed
     assert any(reason.startswith("dropped: mixed_float16") for reason in plan.reasons)
+
+
+def pooled_digits():
+    """A bench model whose float16 run cannot train on a CPU (AvgPool3D)."""
+    inputs = keras.Input((28, 28, 1))
+    h = keras.layers.Reshape((7, 4, 28, 1))(inputs)
+    h = keras.layers.AveragePooling3D(2)(h)
+    outputs = keras.layers.Dense(10, activation="softmax", dtype="float32")(keras.layers.Flatten()(h))
+    return keras.Model(inputs, outputs)
+
+
+def test_bench_drops_a_policy_whose_run_fails_and_says_why():
+    from mp_callbacks_bench.api import run_bench
+
+    report = run_bench(
+        pooled_digits,
+        policies=["float32", "mixed_float16"],
+        epochs=1,
+        train_samples=256,
+        test_samples=64,
+        probe=False,
+        force=True,
+        in_subprocess=False,
+    )
+    assert [r["policy"] for r in report.results] == ["float32"]
+    assert [s["policy"] for s in report.skipped] == ["mixed_float16"]
+    assert "its run failed" in report.skipped[0]["reason"]
