@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mp_callbacks._backend import keras, tf
+from mp_callbacks._forward_writes import written_variables
 from mp_callbacks._keras_internals import (
     LossScaleSaveable,
     all_layers,
@@ -31,7 +32,6 @@ from mp_callbacks._keras_internals import (
     output_layers,
     register_serialized_name,
 )
-from mp_callbacks._forward_writes import written_variables
 from mp_callbacks._step_record import StepRecord
 from mp_callbacks.errors import MixedPrecisionWarning
 from mp_callbacks.loss_scale import AUTO, LossScaler, loss_scale_from_argument
