@@ -74,3 +74,17 @@ def test_page_code_runs_and_prints_what_it_says(page):
     printed = [line.strip() for line in run(page) if line.strip()]
     expected = [line for code in code_blocks(page) for line in expected_output(code)]
     assert printed == expected
+
+
+def test_the_readme_quick_start_runs_as_written(tmp_path):
+    # A new user copies it into a file and runs it: nothing is defined for it.
+    readme = (DOCS.parent / "README.md").read_text()
+    quick_start = readme.split("## Quick start", 1)[1]
+    code = BLOCK.findall(quick_start)[0]
+    script = tmp_path / "quick_start.py"
+    script.write_text(code)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                            cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    printed = result.stdout.strip().splitlines()[-1]
+    assert printed.startswith("[") and printed.count("[") == 4  # three per-epoch lists
