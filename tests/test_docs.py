@@ -87,4 +87,4 @@ def test_the_readme_quick_start_runs_as_written(tmp_path):
                             cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     printed = result.stdout.strip().splitlines()[-1]
-    assert printed.startswith("[") and printed.count("[") == 4  # three per-epoch lists
+    assert printed.startswith("[") and printed.count("[") == 3  # three per-epoch lists
