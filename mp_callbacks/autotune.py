@@ -191,6 +191,13 @@ def choose_plan(candidates: list[dict[str, Any]], tolerance: float, forced: bool
     for candidate in candidates:
         if candidate is chosen:
             candidate["verdict"] = "chosen"
+    if chosen is reference and not reasons:  # listed, and the fastest that passed
+        others = [f"{c['policy']}: {c['verdict']}" for c in candidates[1:] if c.get("listed", True)]
+        reasons.append(
+            "float32: the fastest listed candidate that passed the proof"
+            + (f" ({'; '.join(others)})" if others else "")
+            + "."
+        )
     if chosen is not reference:
         text = f"{chosen['policy']}: {chosen.get('speed_text', '')} float32's speed"
         if chosen.get("metric") is not None and reference_metric is not None:

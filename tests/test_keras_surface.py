@@ -465,3 +465,53 @@ def test_bench_drops_a_policy_whose_run_fails_and_says_why():
     assert [r["policy"] for r in report.results] == ["float32"]
     assert [s["policy"] for s in report.skipped] == ["mixed_float16"]
     assert "its run failed" in report.skipped[0]["reason"]
+
+
+def test_ctrl_c_mid_fit_then_fit_trains():
+    class Interrupt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                raise KeyboardInterrupt
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    x, y = classification_data(n=32)
+    inputs = keras.Input((6,))
+    outputs = keras.layers.Dense(3, activation="softmax", dtype="float32")(keras.layers.Dense(4)(inputs))
+    model = mp.MixedPrecisionModel(inputs, outputs)
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[Interrupt()])
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0).history
+    assert history["skipped_steps"] == [0.0, 0.0] and np.isfinite(history["loss"]).all()
+    assert model.scaler.diagnostics()["step_count"] == 2 + 8
+
+
+@pytest.mark.parametrize("through", ["LossScaler.step", "LossScaleOptimizer.apply"])
+def test_gradient_accumulation_in_a_hand_written_loop(through):
+    keras.mixed_precision.set_global_policy("float32")
+    variable = tf.Variable([1.0, 1.0])
+    adam = keras.optimizers.Adam(0.1, gradient_accumulation_steps=2)
+    scaler = mp.LossScaler(initial_scale=2.0**8)
+    optimizer = mp.LossScaleOptimizer(adam, loss_scale=scaler) if "Optimizer" in through else adam
+
+    @tf.function
+    def train_step(target):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum((variable - target) ** 2)
+            scaled = scaler.scale(loss)
+        grads = tape.gradient(scaled, [variable])
+        if "Optimizer" in through:
+            optimizer.apply(grads, [variable])
+        else:
+            scaler.step(optimizer, grads, [variable], loss=loss)
+
+    reference = tf.Variable([1.0, 1.0])
+    stock = keras.optimizers.Adam(0.1, gradient_accumulation_steps=2)
+    for step in range(4):
+        target = tf.constant([0.0, 2.0])
+        train_step(target)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum((reference - target) ** 2)
+        stock.apply(tape.gradient(loss, [reference]), [reference])
+    np.testing.assert_allclose(variable.numpy(), reference.numpy(), rtol=1e-6)
+    assert not np.array_equal(variable.numpy(), [1.0, 1.0])

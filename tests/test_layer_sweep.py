@@ -350,12 +350,20 @@ def test_copies_of_every_layer_compute_in_float32_with_the_same_predictions(name
 @pytest.mark.parametrize("name", _SWEEP)
 def test_every_layer_skips_a_poisoned_batch_with_every_variable_kept(name):
     keras.mixed_precision.set_global_policy("mixed_float16")
-    model, _ = _model(name, mp.MixedPrecisionModel)
+    # Half the layers come in through from_model, as an existing model would.
+    if _SWEEP.index(name) % 2:
+        stock_model, _ = _model(name)
+        model = mp.MixedPrecisionModel.from_model(stock_model)
+    else:
+        model, _ = _model(name, mp.MixedPrecisionModel)
     model.compile(keras.optimizers.Adam(1e-3), "mse")
     x = _data(name, 16)
     y = np.zeros((16, 2), "float32")
+    probe = x[:4] if not isinstance(x, list) else [t[:4] for t in x]
     try:
-        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+        history = model.fit(
+            x, y, batch_size=8, epochs=1, verbose=0, callbacks=[mp.HeadroomMonitor(probe)]
+        ).history
     except Exception as error:
         # Only where stock Keras fails the same way (TensorFlow has no
         # float16 CPU kernel for AvgPool3D, CutMix's range, ...): no worse.
@@ -364,6 +372,9 @@ def test_every_layer_skips_a_poisoned_batch_with_every_variable_kept(name):
         with pytest.raises(type(error)):
             stock.fit(x, y, batch_size=8, verbose=0)
         return
+    # HeadroomMonitor logs a share of float16's range for each float16 layer it watched.
+    shares = [value for key, value in history.items() if key.startswith("headroom/")]
+    assert all(np.isfinite(v[0]) and v[0] >= 0 for v in shares)
     before = [v.numpy() for v in model.variables + model.optimizer.variables]
     bad_y = y.copy()
     bad_y[:8] = np.nan  # the labels: every layer's input stays valid
@@ -376,3 +387,22 @@ def test_every_layer_skips_a_poisoned_batch_with_every_variable_kept(name):
         np.testing.assert_array_equal(a, b)
     report = mp.diagnose_batch(model, x[:8] if not isinstance(x, list) else [t[:8] for t in x], y[:8])
     assert report.loss_finite
+
+
+@pytest.mark.parametrize("name", ["Conv2D", "LSTM", "LayerNormalization"])
+def test_autotune_plans_for_a_few_layers(name):
+    x = _data(name, 64)
+    y = np.random.default_rng(2).random((64, 2)).astype("float32")
+
+    def build():
+        model, _ = _model(name)
+        model.compile("adam", "mse")
+        return model
+
+    plan = mp.autotune(
+        build, x, y, policies=["float32", "mixed_bfloat16"], steps=5, batch_size=16, in_subprocess=False
+    )
+    assert plan.policy in ("float32", "mixed_bfloat16") and plan.reasons
+    assert [c["policy"] for c in plan.candidates] == ["float32", "mixed_bfloat16"]
+    applied = plan.apply(build())
+    assert np.isfinite(applied.predict(x[:4], verbose=0)).all()
