@@ -507,7 +507,7 @@ def test_gradient_accumulation_in_a_hand_written_loop(through):
 
     reference = tf.Variable([1.0, 1.0])
     stock = keras.optimizers.Adam(0.1, gradient_accumulation_steps=2)
-    for step in range(4):
+    for _ in range(4):
         target = tf.constant([0.0, 2.0])
         train_step(target)
         with tf.GradientTape() as tape:
