@@ -16,15 +16,18 @@ import mp_callbacks as mp
 # ------------------------------------------------------------- optimizers
 
 
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["no XLA", "XLA"])
 @pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
-def test_gradient_accumulation_trains_as_stock_and_skips_a_poisoned_step(policy):
+def test_gradient_accumulation_trains_as_stock_and_skips_a_poisoned_step(policy, jit_compile):
     def build(cls):
         keras.utils.set_random_seed(1)
         inputs = keras.Input((6,))
         hidden = keras.layers.Dense(4)(inputs)
         outputs = keras.layers.Dense(1, dtype="float32")(hidden)
         model = cls(inputs, outputs)
-        model.compile(keras.optimizers.Adam(0.01, gradient_accumulation_steps=2), "mse")
+        model.compile(
+            keras.optimizers.Adam(0.01, gradient_accumulation_steps=2), "mse", jit_compile=jit_compile
+        )
         return model
 
     keras.mixed_precision.set_global_policy(policy)
