@@ -197,9 +197,24 @@ class HeadroomMonitor(MixedPrecisionCallback):
     def _probe(self) -> None:
         if self._probed_model is None:
             return
-        ranges = _leaving_state_as_it_was(
-            self._probed_model, lambda: layer_output_ranges(self._probed_model, self.probe)
-        )
+        try:
+            ranges = _leaving_state_as_it_was(
+                self._probed_model, lambda: layer_output_ranges(self._probed_model, self.probe)
+            )
+        except Exception as error:
+            # A monitor never stops training: the model cannot run the probe
+            # in inference (stock Keras 3.15's RandomCrop keeps the uncropped
+            # size there), so it is said once and the probing stops.
+            first = (str(error).strip().splitlines() or [""])[0]
+            warnings.warn(
+                f"HeadroomMonitor: the probe batch cannot run through {self._probed_model.name!r} "
+                f"in inference ({type(error).__name__}: {first}); no headroom is recorded for "
+                "this fit. Training goes on.",
+                MixedPrecisionWarning,
+                stacklevel=3,
+            )
+            self._probed_model = None
+            return
         shares: dict[str, float] = {}
         for name, measured in ranges.items():
             if self.layers is not None:

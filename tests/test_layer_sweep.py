@@ -16,6 +16,7 @@ release's new layer is not missed.
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import keras
 import numpy as np
@@ -361,9 +362,11 @@ def test_every_layer_skips_a_poisoned_batch_with_every_variable_kept(name):
     y = np.zeros((16, 2), "float32")
     probe = x[:4] if not isinstance(x, list) else [t[:4] for t in x]
     try:
-        history = model.fit(
-            x, y, batch_size=8, epochs=1, verbose=0, callbacks=[mp.HeadroomMonitor(probe)]
-        ).history
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            history = model.fit(
+                x, y, batch_size=8, epochs=1, verbose=0, callbacks=[mp.HeadroomMonitor(probe)]
+            ).history
     except Exception as error:
         # Only where stock Keras fails the same way (TensorFlow has no
         # float16 CPU kernel for AvgPool3D, CutMix's range, ...): no worse.
@@ -372,9 +375,12 @@ def test_every_layer_skips_a_poisoned_batch_with_every_variable_kept(name):
         with pytest.raises(type(error)):
             stock.fit(x, y, batch_size=8, verbose=0)
         return
-    # HeadroomMonitor logs a share of float16's range for each float16 layer it watched.
+    # HeadroomMonitor logs a share of float16's range for each float16 layer it watched,
+    # or says once why the probe cannot run (and training goes on).
     shares = [value for key, value in history.items() if key.startswith("headroom/")]
     assert all(np.isfinite(v[0]) and v[0] >= 0 for v in shares)
+    cannot = [w for w in caught if "probe batch cannot run" in str(w.message)]
+    assert len(cannot) <= 1 and (not cannot or name in _NO_FLOAT32_REFERENCE)
     before = [v.numpy() for v in model.variables + model.optimizer.variables]
     bad_y = y.copy()
     bad_y[:8] = np.nan  # the labels: every layer's input stays valid
