@@ -137,4 +137,5 @@ def float32_copy(model: keras.Model) -> keras.Model:
         # Keras 3.10's config round trip turns a single input into a list of one,
         # and the exported signature with it.
         clone = keras.Model(clone.inputs[0], clone.output, name=clone.name)
+        clone.dtype_policy = "float32"  # made under the global policy, which may be mixed
     return clone
