@@ -78,8 +78,15 @@ def _equal_to_stock(optimizer, arguments=None, compile_arguments=None, batch_nor
     arguments, compile_arguments = arguments or {}, compile_arguments or {}
     ours = _build(mp.MixedPrecisionModel, optimizer, arguments, compile_arguments, batch_norm)
     stock = _build(keras.Model, optimizer, arguments, compile_arguments, batch_norm)
-    for model in (ours, stock):
-        model.fit(_X, _Y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    try:
+        stock.fit(_X, _Y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    except Exception as error:
+        # Stock Keras cannot train with it (Keras 3.10's Muon reads a
+        # TensorFlow variable's .path): neither can we, no worse.
+        with pytest.raises(type(error)):
+            ours.fit(_X, _Y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        return
+    ours.fit(_X, _Y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     for a, b in zip(ours.get_weights(), stock.get_weights()):
         np.testing.assert_array_equal(a, b)
     inner = ours.optimizer.inner_optimizer if hasattr(ours.optimizer, "inner_optimizer") else ours.optimizer
@@ -90,7 +97,13 @@ def _equal_to_stock(optimizer, arguments=None, compile_arguments=None, batch_nor
 def _safe_under_float16(optimizer, arguments=None, compile_arguments=None):
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = _build(mp.MixedPrecisionModel, optimizer, arguments or {}, compile_arguments or {})
-    model.fit(_X, _Y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    try:
+        model.fit(_X, _Y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    except Exception as error:  # only where stock Keras fails the same way
+        stock = _build(keras.Model, optimizer, arguments or {}, compile_arguments or {})
+        with pytest.raises(type(error)):
+            stock.fit(_X, _Y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        return
     before = [v.numpy() for v in model.variables + model.optimizer.variables]
     bad_y = _Y[:16].copy()
     bad_y[3] = np.nan
