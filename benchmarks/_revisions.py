@@ -23,9 +23,7 @@ _EXPORTS = Path(tempfile.mkdtemp(prefix="mp_callbacks_revisions_"))
 
 
 def _git(*args: str) -> bytes:
-    return subprocess.run(
-        ["git", "-C", str(_REPOSITORY), *args], check=True, capture_output=True
-    ).stdout
+    return subprocess.run(["git", "-C", str(_REPOSITORY), *args], check=True, capture_output=True).stdout
 
 
 def package_at(revision: str) -> ModuleType:

@@ -9,8 +9,12 @@ import keras
 
 
 def add_threads_option(parser) -> None:
-    parser.add_argument("--threads", type=int, default=0,
-                        help="TensorFlow intra- and inter-op threads (0: TensorFlow's default)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="TensorFlow intra- and inter-op threads (0: TensorFlow's default)",
+    )
 
 
 OPTIMIZERS = {
@@ -23,12 +27,19 @@ OPTIMIZERS = {
 def add_real_model_options(parser, policies, models) -> None:
     """The options real_models.py and step_overhead.py share."""
     parser.add_argument("--model", choices=models, default=models[-1])
-    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam",
-                        help="the optimizer every contender trains with (a new one each)")
+    parser.add_argument(
+        "--optimizer",
+        choices=sorted(OPTIMIZERS),
+        default="adam",
+        help="the optimizer every contender trains with (a new one each)",
+    )
     parser.add_argument("--policy", default="float32", choices=policies)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--peer", action="store_true",
-                        help="also time stock keras.Model with keras.optimizers.LossScaleOptimizer")
+    parser.add_argument(
+        "--peer",
+        action="store_true",
+        help="also time stock keras.Model with keras.optimizers.LossScaleOptimizer",
+    )
     add_threads_option(parser)
 
 
@@ -51,8 +62,9 @@ class EpochClock(keras.callbacks.Callback):
 
 def timed_epoch(model, data, batch_size, callbacks=()) -> float:
     clock = EpochClock()
-    model.fit(data.x_train, data.y_train, batch_size=batch_size, epochs=1,
-              verbose=0, callbacks=[*callbacks, clock])
+    model.fit(
+        data.x_train, data.y_train, batch_size=batch_size, epochs=1, verbose=0, callbacks=[*callbacks, clock]
+    )
     return clock.seconds
 
 
@@ -79,6 +91,8 @@ def report(title, times, baseline, contender):
     print(f"\n{title}")
     for i, (b, c, r) in enumerate(zip(times[baseline], times[contender], ratios)):
         print(f"  round {i + 1}: {baseline} {b:6.2f} s   {contender} {c:6.2f} s   ratio {r:5.3f}")
-    print(f"  median ratio {statistics.median(ratios):.3f}   "
-          f"best-epoch ratio {min(times[contender]) / min(times[baseline]):.3f}")
+    print(
+        f"  median ratio {statistics.median(ratios):.3f}   "
+        f"best-epoch ratio {min(times[contender]) / min(times[baseline]):.3f}"
+    )
     return statistics.median(ratios)

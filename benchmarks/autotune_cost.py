@@ -26,9 +26,9 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-import mp_callbacks as mp  # noqa: E402
+import mp_callbacks as mp
 
 SEQUENCE, VOCABULARY = 64, 1000
 
@@ -44,8 +44,9 @@ def transformer():
 def mobilenet():
     import keras
 
-    model = keras.applications.MobileNetV3Small(weights=None, input_shape=(32, 32, 3), classes=10,
-                                                include_preprocessing=False)
+    model = keras.applications.MobileNetV3Small(
+        weights=None, input_shape=(32, 32, 3), classes=10, include_preprocessing=False
+    )
     model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
     return model
 
@@ -77,36 +78,53 @@ def main(argv=None) -> None:
     from mp_callbacks_bench import run_bench
 
     names = ["cnn", "transformer", "mobilenet"] if args.model == "all" else [args.model]
-    targets = {"cnn": "mp_callbacks_bench.reference_models:build_cnn",
-               "transformer": "autotune_cost:transformer", "mobilenet": "autotune_cost:mobilenet"}
+    targets = {
+        "cnn": "mp_callbacks_bench.reference_models:build_cnn",
+        "transformer": "autotune_cost:transformer",
+        "mobilenet": "autotune_cost:mobilenet",
+    }
     for name in names:
         x, y, x_val, y_val = _data(name, args.samples)
         build_args = [list(x.shape[1:]), 10] if name == "cnn" else []
         began = time.monotonic()
-        plan = mp.autotune(targets[name], x, y, validation_data=(x_val, y_val), steps=args.steps,
-                           batch_size=args.batch_size, build_args=build_args)
+        plan = mp.autotune(
+            targets[name],
+            x,
+            y,
+            validation_data=(x_val, y_val),
+            steps=args.steps,
+            batch_size=args.batch_size,
+            build_args=build_args,
+        )
         wall = time.monotonic() - began
         chosen = next(c for c in plan.candidates if c["policy"] == plan.policy)
-        print(f"\n{name}: autotune {wall:.0f} s on {plan.measured_on}; plan {plan.policy}"
-              f"{' + ' + ', '.join(plan.float32_layers) if plan.float32_layers else ''}")
+        print(
+            f"\n{name}: autotune {wall:.0f} s on {plan.measured_on}; plan {plan.policy}"
+            f"{' + ' + ', '.join(plan.float32_layers) if plan.float32_layers else ''}"
+        )
         print(plan.table())
         if name == "cnn":
-            report = run_bench("cnn", epochs=3, batch_size=args.batch_size,
-                               train_samples=len(x), repeats=2)
+            report = run_bench("cnn", epochs=3, batch_size=args.batch_size, train_samples=len(x), repeats=2)
         else:
             report = None  # bench's --model needs class scores on its datasets: compare on ours
         plan_speedup = chosen.get("speedup") or 1.0
         if report is not None:
             best = next((r for r in report.results if r["policy"] == report.recommended_policy), None)
             bench_speedup = (best or {}).get("speedup") or 1.0
-            print(f"bench's best whole-model policy: {report.recommended_policy} "
-                  f"({bench_speedup:.2f}x); plan {plan_speedup:.2f}x; "
-                  f"plan / bench {plan_speedup / bench_speedup:.3f}")
+            print(
+                f"bench's best whole-model policy: {report.recommended_policy} "
+                f"({bench_speedup:.2f}x); plan {plan_speedup:.2f}x; "
+                f"plan / bench {plan_speedup / bench_speedup:.3f}"
+            )
         else:
-            whole = max((c for c in plan.candidates if not c.get("float32_layers")),
-                        key=lambda c: c.get("speedup") or 0.0)
-            print(f"best whole-model candidate in the same rounds: {whole['policy']} "
-                  f"({whole.get('speedup') or 1.0:.2f}x); plan {plan_speedup:.2f}x")
+            whole = max(
+                (c for c in plan.candidates if not c.get("float32_layers")),
+                key=lambda c: c.get("speedup") or 0.0,
+            )
+            print(
+                f"best whole-model candidate in the same rounds: {whole['policy']} "
+                f"({whole.get('speedup') or 1.0:.2f}x); plan {plan_speedup:.2f}x"
+            )
 
 
 if __name__ == "__main__":

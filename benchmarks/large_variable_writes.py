@@ -68,8 +68,11 @@ def main(argv=None):
     gradients = [tf.random.normal(shape) for shape in SHAPES]
     updates = {
         name: adam_like_update(write, weights, gradients)
-        for name, write in [("in place", in_place), ("pick new or old", pick_new_or_old),
-                            ("in place, gated zero", in_place_gated_zero)]
+        for name, write in [
+            ("in place", in_place),
+            ("pick new or old", pick_new_or_old),
+            ("in place, gated zero", in_place_gated_zero),
+        ]
     }
     predicate = tf.constant(True)
     for update in updates.values():
@@ -83,11 +86,15 @@ def main(argv=None):
             start = time.perf_counter()
             updates[name](predicate)
             times[name].append(time.perf_counter() - start)
-    print(f"Adam-like update of {len(SHAPES)} variables ({sum(tf.TensorShape(s).num_elements() for s in SHAPES):,} "
-          f"weights), {args.rounds} interleaved rounds, threads {args.threads or 'default'}")
+    print(
+        f"Adam-like update of {len(SHAPES)} variables ({sum(tf.TensorShape(s).num_elements() for s in SHAPES):,} "
+        f"weights), {args.rounds} interleaved rounds, threads {args.threads or 'default'}"
+    )
     for name in names:
         paired = statistics.median(a / b for a, b in zip(times[name], times["in place"]))
-        print(f"  {name:22s} median {statistics.median(times[name]) * 1e3:7.2f} ms   paired ratio {paired:.3f}")
+        print(
+            f"  {name:22s} median {statistics.median(times[name]) * 1e3:7.2f} ms   paired ratio {paired:.3f}"
+        )
 
 
 if __name__ == "__main__":

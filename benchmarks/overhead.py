@@ -20,12 +20,12 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
+import keras
+from _timing import add_threads_option, apply_threads, compare, report
 
-import mp_callbacks as mp  # noqa: E402
-from mp_callbacks_bench.data import synthetic_digits  # noqa: E402
-from mp_callbacks_bench.reference_models import build_cnn  # noqa: E402
-from _timing import add_threads_option, apply_threads, compare, report  # noqa: E402
+import mp_callbacks as mp
+from mp_callbacks_bench.data import synthetic_digits
+from mp_callbacks_bench.reference_models import build_cnn
 
 
 def main(argv=None):
@@ -35,44 +35,51 @@ def main(argv=None):
     parser.add_argument("--samples", type=int, default=8000)
     parser.add_argument("--batch-size", type=int, default=128)
     add_threads_option(parser)
-    parser.add_argument("--skip-callbacks", action="store_true",
-                        help="only the model comparison")
+    parser.add_argument("--skip-callbacks", action="store_true", help="only the model comparison")
     args = parser.parse_args(argv)
     apply_threads(args.threads)
 
     keras.mixed_precision.set_global_policy(args.policy)
     data = synthetic_digits(n_train=args.samples, n_test=500)
-    print(f"policy {args.policy}, CNN, {args.samples} samples, batch {args.batch_size}, "
-          f"{args.rounds} interleaved rounds, threads {args.threads or 'default'}; "
-          f"data: {data.description}")
+    print(
+        f"policy {args.policy}, CNN, {args.samples} samples, batch {args.batch_size}, "
+        f"{args.rounds} interleaved rounds, threads {args.threads or 'default'}; "
+        f"data: {data.description}"
+    )
 
     def compiled(model):
-        model.compile(keras.optimizers.Adam(), "sparse_categorical_crossentropy",
-                      metrics=["accuracy"])
+        model.compile(keras.optimizers.Adam(), "sparse_categorical_crossentropy", metrics=["accuracy"])
         return model
 
     keras.utils.set_random_seed(0)
     stock = compiled(build_cnn(data.input_shape, model_class=keras.Model))
     keras.utils.set_random_seed(0)
     ours = compiled(build_cnn(data.input_shape))
-    times = compare({"stock": (stock, []), "MixedPrecisionModel": (ours, [])},
-                    data, args.rounds, args.batch_size)
-    report("MixedPrecisionModel vs keras.Model (epoch time ratio)", times,
-           "stock", "MixedPrecisionModel")
+    times = compare(
+        {"stock": (stock, []), "MixedPrecisionModel": (ours, [])}, data, args.rounds, args.batch_size
+    )
+    report("MixedPrecisionModel vs keras.Model (epoch time ratio)", times, "stock", "MixedPrecisionModel")
 
     if args.skip_callbacks:
         return
     callbacks = [mp.LossScaleMonitor(), mp.NaNGradientMonitor(), mp.EpochTimer()]
     reads = count_device_reads()
-    times = compare({"no callbacks": (ours, []), "three callbacks": (ours, callbacks)},
-                    data, args.rounds, args.batch_size)
-    report("MixedPrecisionModel: three callbacks vs none (epoch time ratio)", times,
-           "no callbacks", "three callbacks")
+    times = compare(
+        {"no callbacks": (ours, []), "three callbacks": (ours, callbacks)}, data, args.rounds, args.batch_size
+    )
+    report(
+        "MixedPrecisionModel: three callbacks vs none (epoch time ratio)",
+        times,
+        "no callbacks",
+        "three callbacks",
+    )
     steps = (args.rounds + 1) * -(-args.samples // args.batch_size)
-    print(f"  device reads by the callbacks: {reads['count']} in {steps} steps "
-          f"= {1000 * reads['count'] / steps:.1f} per 1,000 steps "
-          "(log tensors converted by the callbacks: 0; Keras itself converts the "
-          "step logs once per step on the TensorFlow backend)")
+    print(
+        f"  device reads by the callbacks: {reads['count']} in {steps} steps "
+        f"= {1000 * reads['count'] / steps:.1f} per 1,000 steps "
+        "(log tensors converted by the callbacks: 0; Keras itself converts the "
+        "step logs once per step on the TensorFlow backend)"
+    )
 
 
 def count_device_reads():
@@ -86,6 +93,7 @@ def count_device_reads():
         def wrapper(*args, **kwargs):
             reads["count"] += 1
             return function(*args, **kwargs)
+
         return wrapper
 
     cls = loss_scale.LossScaler

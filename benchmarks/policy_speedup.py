@@ -18,12 +18,12 @@ import statistics
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
+import keras
+from _timing import compare
 
-import mp_callbacks as mp  # noqa: E402
-from mp_callbacks_bench.data import synthetic_digits  # noqa: E402
-from mp_callbacks_bench.reference_models import MODELS  # noqa: E402
-from _timing import compare  # noqa: E402
+import mp_callbacks as mp
+from mp_callbacks_bench.data import synthetic_digits
+from mp_callbacks_bench.reference_models import MODELS
 
 
 def main(argv=None):
@@ -41,21 +41,25 @@ def main(argv=None):
         keras.mixed_precision.set_global_policy(policy)
         for label, model_class, callbacks in (
             ("stock", keras.Model, []),
-            ("ours", mp.MixedPrecisionModel,
-             [mp.LossScaleMonitor(), mp.NaNGradientMonitor(), mp.EpochTimer()]),
+            (
+                "ours",
+                mp.MixedPrecisionModel,
+                [mp.LossScaleMonitor(), mp.NaNGradientMonitor(), mp.EpochTimer()],
+            ),
         ):
             keras.utils.set_random_seed(0)
             model = MODELS[args.model](data.input_shape, model_class=model_class)
-            model.compile(keras.optimizers.Adam(), "sparse_categorical_crossentropy",
-                          metrics=["accuracy"])
+            model.compile(keras.optimizers.Adam(), "sparse_categorical_crossentropy", metrics=["accuracy"])
             contenders[f"{label} {policy}"] = (model, callbacks)
     keras.mixed_precision.set_global_policy("float32")
 
     print(f"{args.model}, {args.samples} samples, batch {args.batch_size}, {args.rounds} rounds")
     times = compare(contenders, data, args.rounds, args.batch_size)
     for name, seconds in times.items():
-        print(f"  {name:<22} median epoch {statistics.median(seconds):.2f} s  "
-              f"({', '.join(f'{s:.2f}' for s in seconds)})")
+        print(
+            f"  {name:<22} median epoch {statistics.median(seconds):.2f} s  "
+            f"({', '.join(f'{s:.2f}' for s in seconds)})"
+        )
     for label in ("stock", "ours"):
         float32 = statistics.median(times[f"{label} float32"])
         mixed = statistics.median(times[f"{label} {args.policy}"])

@@ -26,12 +26,12 @@ import types
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
+from _timing import OPTIMIZERS, add_real_model_options, apply_threads, compare, report
 
-import mp_callbacks as mp  # noqa: E402
-from _timing import OPTIMIZERS, add_real_model_options, apply_threads, compare, report  # noqa: E402
+import mp_callbacks as mp
 
 VOCABULARY, SEQUENCE = 1000, 64
 
@@ -86,19 +86,32 @@ def main(argv=None):
             keras.utils.set_random_seed(0)
             peer = build()
             # auto_scale_loss=False: compile must not wrap it a second time.
-            peer.compile(keras.optimizers.LossScaleOptimizer(OPTIMIZERS[args.optimizer]()),
-                         "sparse_categorical_crossentropy", auto_scale_loss=False)
+            peer.compile(
+                keras.optimizers.LossScaleOptimizer(OPTIMIZERS[args.optimizer]()),
+                "sparse_categorical_crossentropy",
+                auto_scale_loss=False,
+            )
             contenders["keras LossScaleOptimizer"] = (peer, [])
-        print(f"{name}: {args.optimizer}, policy {args.policy}, {len(stock.trainable_variables)} trainable variables, "
-              f"{args.steps} steps of {args.batch_size} per epoch, {args.rounds} interleaved rounds, "
-              f"threads {args.threads or 'default'}; "
-              f"TensorFlow {tf.__version__}, Keras {keras.__version__}")
+        print(
+            f"{name}: {args.optimizer}, policy {args.policy}, {len(stock.trainable_variables)} trainable variables, "
+            f"{args.steps} steps of {args.batch_size} per epoch, {args.rounds} interleaved rounds, "
+            f"threads {args.threads or 'default'}; "
+            f"TensorFlow {tf.__version__}, Keras {keras.__version__}"
+        )
         times = compare(contenders, data, args.rounds, args.batch_size)
-        report(f"{name}: MixedPrecisionModel vs keras.Model (epoch time ratio)", times,
-               "stock", "MixedPrecisionModel")
+        report(
+            f"{name}: MixedPrecisionModel vs keras.Model (epoch time ratio)",
+            times,
+            "stock",
+            "MixedPrecisionModel",
+        )
         if args.peer:
-            report(f"{name}: keras.Model + Keras's LossScaleOptimizer vs keras.Model", times,
-                   "stock", "keras LossScaleOptimizer")
+            report(
+                f"{name}: keras.Model + Keras's LossScaleOptimizer vs keras.Model",
+                times,
+                "stock",
+                "keras LossScaleOptimizer",
+            )
 
 
 if __name__ == "__main__":

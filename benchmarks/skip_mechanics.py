@@ -23,12 +23,12 @@ import statistics
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import tensorflow as tf
+from _timing import add_threads_option, apply_threads, compare
+from real_models import data_for, resnet50, transformer
 
-import mp_callbacks as mp  # noqa: E402
-from _timing import add_threads_option, apply_threads, compare  # noqa: E402
-from real_models import data_for, resnet50, transformer  # noqa: E402
+import mp_callbacks as mp
 
 
 def _all_finite(grads):
@@ -49,12 +49,17 @@ def stock_step_with(kind: str) -> type:
             grads = tape.gradient(loss, variables)
             finite = _all_finite(grads)
             if kind == "cond":
-                tf.cond(finite,
-                        lambda: self.optimizer.apply(grads, variables) or tf.constant(True),
-                        lambda: tf.constant(False))
+                tf.cond(
+                    finite,
+                    lambda: self.optimizer.apply(grads, variables) or tf.constant(True),
+                    lambda: tf.constant(False),
+                )
             else:
-                gate = finite if kind == "wait" else tf.cond(
-                    finite, lambda: tf.constant(1.0), lambda: tf.constant(0.0))
+                gate = (
+                    finite
+                    if kind == "wait"
+                    else tf.cond(finite, lambda: tf.constant(1.0), lambda: tf.constant(0.0))
+                )
                 with tf.control_dependencies([gate]):
                     grads = [tf.identity(g) for g in grads]
                 self.optimizer.apply(grads, variables)
@@ -86,15 +91,18 @@ def main(argv=None):
     models["ours"] = mp.MixedPrecisionModel.from_model(build())
     for model in models.values():
         model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy")
-    print(f"{args.model}: float32, {args.steps} steps of {args.batch_size} per epoch, "
-          f"{args.rounds} interleaved rounds, threads {args.threads or 'default'}; "
-          f"TensorFlow {tf.__version__}, Keras {keras.__version__}")
-    times = compare({name: (model, []) for name, model in models.items()}, data,
-                    args.rounds, args.batch_size)
+    print(
+        f"{args.model}: float32, {args.steps} steps of {args.batch_size} per epoch, "
+        f"{args.rounds} interleaved rounds, threads {args.threads or 'default'}; "
+        f"TensorFlow {tf.__version__}, Keras {keras.__version__}"
+    )
+    times = compare({name: (model, []) for name, model in models.items()}, data, args.rounds, args.batch_size)
     for name in models:
         ratios = [t / s for t, s in zip(times[name], times["stock"])]
-        print(f"  {name:11s} median ratio {statistics.median(ratios):.3f}   "
-              f"best-epoch ratio {min(times[name]) / min(times['stock']):.3f}")
+        print(
+            f"  {name:11s} median ratio {statistics.median(ratios):.3f}   "
+            f"best-epoch ratio {min(times[name]) / min(times['stock']):.3f}"
+        )
 
 
 if __name__ == "__main__":

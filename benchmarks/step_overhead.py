@@ -30,13 +30,13 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import tensorflow as tf
+from _revisions import package_at
+from _timing import OPTIMIZERS, add_real_model_options, apply_threads
+from real_models import data_for, resnet50, transformer
 
-import mp_callbacks as mp  # noqa: E402
-from _revisions import package_at  # noqa: E402
-from _timing import OPTIMIZERS, add_real_model_options, apply_threads  # noqa: E402
-from real_models import data_for, resnet50, transformer  # noqa: E402
+import mp_callbacks as mp
 
 BATCHES = 8
 
@@ -58,7 +58,9 @@ def contenders(build, optimizer, peer: bool, revisions=()) -> dict[str, keras.Mo
         models["keras LossScaleOptimizer"] = build()
         models["keras LossScaleOptimizer"].compile(
             keras.optimizers.LossScaleOptimizer(optimizer()),
-            "sparse_categorical_crossentropy", auto_scale_loss=False)
+            "sparse_categorical_crossentropy",
+            auto_scale_loss=False,
+        )
     return models
 
 
@@ -87,8 +89,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_real_model_options(parser, mp.POLICIES, ["resnet50", "transformer"])
     parser.add_argument("--steps", type=int, default=1000, help="interleaved rounds of one step each")
-    parser.add_argument("--revisions", nargs="+", default=[], metavar="REV",
-                        help="also time MixedPrecisionModel as it was at these git revisions")
+    parser.add_argument(
+        "--revisions",
+        nargs="+",
+        default=[],
+        metavar="REV",
+        help="also time MixedPrecisionModel as it was at these git revisions",
+    )
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be at least 1; got {args.steps}")
@@ -97,17 +104,21 @@ def main(argv=None):
     build = resnet50 if args.model == "resnet50" else transformer
     data = data_for(args.model, BATCHES * args.batch_size)
     batches = [
-        (tf.constant(data.x_train[i * args.batch_size:(i + 1) * args.batch_size]),
-         tf.constant(data.y_train[i * args.batch_size:(i + 1) * args.batch_size]))
+        (
+            tf.constant(data.x_train[i * args.batch_size : (i + 1) * args.batch_size]),
+            tf.constant(data.y_train[i * args.batch_size : (i + 1) * args.batch_size]),
+        )
         for i in range(BATCHES)
     ]
     try:
         models = contenders(build, OPTIMIZERS[args.optimizer], args.peer, args.revisions)
     except ValueError as error:
         parser.error(str(error))
-    print(f"{args.model}: {args.optimizer}, policy {args.policy}, {args.steps} interleaved steps of "
-          f"{args.batch_size}, threads {args.threads or 'default'}; "
-          f"TensorFlow {tf.__version__}, Keras {keras.__version__}")
+    print(
+        f"{args.model}: {args.optimizer}, policy {args.policy}, {args.steps} interleaved steps of "
+        f"{args.batch_size}, threads {args.threads or 'default'}; "
+        f"TensorFlow {tf.__version__}, Keras {keras.__version__}"
+    )
     times = interleaved_steps(models, batches, args.steps)
     stock = sorted(times["stock"])
     for name, values in times.items():
@@ -116,11 +127,13 @@ def main(argv=None):
         paired = statistics.median(a / b for a, b in zip(values, times["stock"]))
         values = sorted(values)
         quartile = len(values) // 4
-        print(f"  {name:34s} median {statistics.median(values) * 1e3:8.2f} ms   ratio to stock: "
-              f"paired {paired:.3f}   "
-              f"median {statistics.median(values) / statistics.median(stock):.3f}   "
-              f"lower quartile {values[quartile] / stock[quartile]:.3f}   "
-              f"fastest {values[0] / stock[0]:.3f}")
+        print(
+            f"  {name:34s} median {statistics.median(values) * 1e3:8.2f} ms   ratio to stock: "
+            f"paired {paired:.3f}   "
+            f"median {statistics.median(values) / statistics.median(stock):.3f}   "
+            f"lower quartile {values[quartile] / stock[quartile]:.3f}   "
+            f"fastest {values[0] / stock[0]:.3f}"
+        )
 
 
 if __name__ == "__main__":

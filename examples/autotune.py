@@ -27,10 +27,10 @@ import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-import mp_callbacks as mp  # noqa: E402
+import mp_callbacks as mp
 
 FEATURES, CLASSES = 16, 4
 
@@ -62,11 +62,11 @@ def build_model() -> keras.Model:
     scores = keras.layers.Rescaling(6.0, name="sharpen")(scores)  # attention logits of about 20
     attention = NaiveSoftmax(name="naive_softmax")(scores)
     hidden = keras.layers.Dense(32, activation="relu", name="dense")(
-        keras.layers.Concatenate(name="features")([attention, centred, spread]))
+        keras.layers.Concatenate(name="features")([attention, centred, spread])
+    )
     outputs = keras.layers.Dense(CLASSES, activation="softmax", dtype="float32", name="head")(hidden)
     model = keras.Model(inputs, outputs, name="two_traps")
-    model.compile(keras.optimizers.Adam(3e-3), "sparse_categorical_crossentropy",
-                  metrics=["accuracy"])
+    model.compile(keras.optimizers.Adam(3e-3), "sparse_categorical_crossentropy", metrics=["accuracy"])
     return model
 
 

@@ -89,26 +89,32 @@ class GAN(mp.MixedPrecisionModel):  # mp: was keras.Model
 
 
 def build_gan(latent_dim: int = LATENT_DIM) -> GAN:
-    discriminator = keras.Sequential([
-        keras.Input((28, 28, 1)),
-        keras.layers.Conv2D(16, 3, strides=2, padding="same"),
-        keras.layers.LeakyReLU(negative_slope=0.2),
-        keras.layers.Conv2D(32, 3, strides=2, padding="same"),
-        keras.layers.LeakyReLU(negative_slope=0.2),
-        keras.layers.GlobalMaxPooling2D(),
-        keras.layers.Dense(1, dtype="float32"),  # logits in float32 for the loss
-    ], name="discriminator")
-    generator = keras.Sequential([
-        keras.Input((latent_dim,)),
-        keras.layers.Dense(7 * 7 * 16),
-        keras.layers.LeakyReLU(negative_slope=0.2),
-        keras.layers.Reshape((7, 7, 16)),
-        keras.layers.Conv2DTranspose(16, 4, strides=2, padding="same"),
-        keras.layers.LeakyReLU(negative_slope=0.2),
-        keras.layers.Conv2DTranspose(16, 4, strides=2, padding="same"),
-        keras.layers.LeakyReLU(negative_slope=0.2),
-        keras.layers.Conv2D(1, 7, padding="same", activation="sigmoid", dtype="float32"),
-    ], name="generator")
+    discriminator = keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            keras.layers.Conv2D(16, 3, strides=2, padding="same"),
+            keras.layers.LeakyReLU(negative_slope=0.2),
+            keras.layers.Conv2D(32, 3, strides=2, padding="same"),
+            keras.layers.LeakyReLU(negative_slope=0.2),
+            keras.layers.GlobalMaxPooling2D(),
+            keras.layers.Dense(1, dtype="float32"),  # logits in float32 for the loss
+        ],
+        name="discriminator",
+    )
+    generator = keras.Sequential(
+        [
+            keras.Input((latent_dim,)),
+            keras.layers.Dense(7 * 7 * 16),
+            keras.layers.LeakyReLU(negative_slope=0.2),
+            keras.layers.Reshape((7, 7, 16)),
+            keras.layers.Conv2DTranspose(16, 4, strides=2, padding="same"),
+            keras.layers.LeakyReLU(negative_slope=0.2),
+            keras.layers.Conv2DTranspose(16, 4, strides=2, padding="same"),
+            keras.layers.LeakyReLU(negative_slope=0.2),
+            keras.layers.Conv2D(1, 7, padding="same", activation="sigmoid", dtype="float32"),
+        ],
+        name="generator",
+    )
     return GAN(discriminator=discriminator, generator=generator, latent_dim=latent_dim)
 
 
@@ -118,8 +124,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--samples", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--policy", default="mixed_float16", choices=mp.POLICIES)
-    parser.add_argument("--poison-step", type=int, default=None,
-                        help="put NaN into the real images of this training step (from 0)")
+    parser.add_argument(
+        "--poison-step",
+        type=int,
+        default=None,
+        help="put NaN into the real images of this training step (from 0)",
+    )
     args = parser.parse_args(argv)
 
     keras.config.set_dtype_policy(args.policy)
@@ -135,8 +145,14 @@ def main(argv=None) -> dict:
         g_optimizer=keras.optimizers.Adam(learning_rate=0.0003),
         loss_fn=keras.losses.BinaryCrossentropy(from_logits=True),
     )
-    history = gan.fit(images, epochs=args.epochs, batch_size=args.batch_size, shuffle=False,
-                      verbose=2, callbacks=[mp.LossScaleMonitor(), mp.EpochTimer()]).history
+    history = gan.fit(
+        images,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        shuffle=False,
+        verbose=2,
+        callbacks=[mp.LossScaleMonitor(), mp.EpochTimer()],
+    ).history
     finite = all(np.all(np.isfinite(w)) for w in gan.get_weights())
     print(f"policy: {args.policy}; loss scale {gan.get_scale():g}")
     print(f"skipped steps per epoch: {history['skipped_steps']}")

@@ -36,13 +36,15 @@ def main(argv=None) -> dict:
     data = mnist_or_synthetic().take(train=args.train_samples)
     print(f"policy: {policy}; data: {data.description}")
 
-    model = keras.Sequential([
-        keras.layers.Input(shape=data.input_shape, dtype="float32"),
-        keras.layers.Flatten(),
-        keras.layers.Dense(512, activation="relu"),
-        keras.layers.Dense(256, activation="relu"),
-        keras.layers.Dense(10, activation="softmax", dtype="float32"),
-    ])
+    model = keras.Sequential(
+        [
+            keras.layers.Input(shape=data.input_shape, dtype="float32"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(512, activation="relu"),
+            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(10, activation="softmax", dtype="float32"),
+        ]
+    )
     loss_fn = keras.losses.SparseCategoricalCrossentropy()
     if keras.mixed_precision.global_policy().compute_dtype == "float16":
         optimizer = LossScaleOptimizer(keras.optimizers.Adam())  # dynamic scale
@@ -74,10 +76,12 @@ def main(argv=None) -> dict:
             mean_loss.update_state(train_step(x, y))
         accuracy.reset_state()
         accuracy.update_state(data.y_test, model.predict(data.x_test, verbose=0))
-        print(f"epoch {epoch + 1}: loss {float(mean_loss.result()):.4f}, "
-              f"test accuracy {float(accuracy.result()):.3f}, "
-              f"loss scale {optimizer.get_scale():g}, "
-              f"skipped steps {optimizer.scaler.diagnostics()['skipped_steps']}")
+        print(
+            f"epoch {epoch + 1}: loss {float(mean_loss.result()):.4f}, "
+            f"test accuracy {float(accuracy.result()):.3f}, "
+            f"loss scale {optimizer.get_scale():g}, "
+            f"skipped steps {optimizer.scaler.diagnostics()['skipped_steps']}"
+        )
     return {"accuracy": float(accuracy.result()), "loss_scale": optimizer.get_scale()}
 
 

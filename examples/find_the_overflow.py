@@ -21,10 +21,10 @@ import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-import mp_callbacks as mp  # noqa: E402
+import mp_callbacks as mp
 
 FEATURES, CLASSES = 16, 4
 
@@ -83,8 +83,9 @@ def main(argv=None) -> None:
 
     print(f"\n3. the fix in one line: mp.with_float32_layers(model, {report.float32_layers!r})")
     fixed = mp.with_float32_layers(model, report.float32_layers)
-    history = fixed.fit(x, y, batch_size=32, epochs=args.epochs, verbose=0,
-                        callbacks=[mp.NaNGradientMonitor(action="raise")])
+    history = fixed.fit(
+        x, y, batch_size=32, epochs=args.epochs, verbose=0, callbacks=[mp.NaNGradientMonitor(action="raise")]
+    )
     print(f"   skipped steps per epoch: {history.history['skipped_steps']}")
     print(f"   accuracy per epoch: {[round(a, 3) for a in history.history['accuracy']]}")
     print(f"   loss scale: {fixed.get_scale():g}")

@@ -36,12 +36,17 @@ def build_model(input_shape) -> mp.MixedPrecisionModel:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--policy", default="auto", choices=("auto",) + mp.POLICIES,
-                        help="dtype policy; 'auto' asks mp_callbacks.recommend_policy()")
+    parser.add_argument(
+        "--policy",
+        default="auto",
+        choices=("auto",) + mp.POLICIES,
+        help="dtype policy; 'auto' asks mp_callbacks.recommend_policy()",
+    )
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--train-samples", type=int, default=None,
-                        help="use only the first N training samples")
+    parser.add_argument(
+        "--train-samples", type=int, default=None, help="use only the first N training samples"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -53,15 +58,24 @@ def main(argv=None) -> dict:
     print(f"data: {data.description}")
 
     model = build_model(data.input_shape)
-    model.compile(optimizer=keras.optimizers.Adam(), loss="sparse_categorical_crossentropy",
-                  metrics=["accuracy"])
+    model.compile(
+        optimizer=keras.optimizers.Adam(), loss="sparse_categorical_crossentropy", metrics=["accuracy"]
+    )
     callbacks = [mp.LossScaleMonitor(), mp.NaNGradientMonitor(), mp.EpochTimer()]
-    history = model.fit(data.x_train, data.y_train, batch_size=args.batch_size,
-                        epochs=args.epochs, validation_data=(data.x_test, data.y_test),
-                        callbacks=callbacks, verbose=2)
+    history = model.fit(
+        data.x_train,
+        data.y_train,
+        batch_size=args.batch_size,
+        epochs=args.epochs,
+        validation_data=(data.x_test, data.y_test),
+        callbacks=callbacks,
+        verbose=2,
+    )
     final = {key: values[-1] for key, values in history.history.items()}
-    print(f"loss scale {final['loss_scale']:g}, skipped steps {final['skipped_steps']:g}, "
-          f"validation accuracy {final['val_accuracy']:.3f}")
+    print(
+        f"loss scale {final['loss_scale']:g}, skipped steps {final['skipped_steps']:g}, "
+        f"validation accuracy {final['val_accuracy']:.3f}"
+    )
     return final
 
 

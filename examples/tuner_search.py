@@ -29,8 +29,8 @@ import keras
 import keras_tuner as kt
 
 import mp_callbacks as mp
-from mp_callbacks_bench.data import synthetic_digits
 from mp_callbacks.tuner import MixedPrecisionHyperModel
+from mp_callbacks_bench.data import synthetic_digits
 
 
 def build_model(hp) -> mp.MixedPrecisionModel:
@@ -39,8 +39,11 @@ def build_model(hp) -> mp.MixedPrecisionModel:
     x = keras.layers.Dense(hp.Choice("units", [64, 256]), activation="relu")(x)
     outputs = keras.layers.Dense(10, activation="softmax", dtype="float32")(x)
     model = mp.MixedPrecisionModel(inputs, outputs)
-    model.compile(keras.optimizers.Adam(hp.Choice("learning_rate", [1e-3, 3e-3])),
-                  "sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.compile(
+        keras.optimizers.Adam(hp.Choice("learning_rate", [1e-3, 3e-3])),
+        "sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+    )
     return model
 
 
@@ -49,7 +52,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-trials", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--train-samples", type=int, default=4000)
-    parser.add_argument("--directory", default=None, help="where keras-tuner keeps trials (default: a temp dir)")
+    parser.add_argument(
+        "--directory", default=None, help="where keras-tuner keeps trials (default: a temp dir)"
+    )
     args = parser.parse_args(argv)
 
     data = synthetic_digits(n_train=args.train_samples, n_test=1000)
@@ -59,36 +64,58 @@ def main(argv=None) -> dict:
     hypermodel = MixedPrecisionHyperModel(build_model, policies=policies)
     with tempfile.TemporaryDirectory() as scratch:
         tuner = kt.RandomSearch(
-            hypermodel, objective=kt.Objective("val_accuracy", "max"),
-            max_trials=args.max_trials, directory=args.directory or scratch,
-            project_name="mp_callbacks_example", overwrite=True, seed=0,
+            hypermodel,
+            objective=kt.Objective("val_accuracy", "max"),
+            max_trials=args.max_trials,
+            directory=args.directory or scratch,
+            project_name="mp_callbacks_example",
+            overwrite=True,
+            seed=0,
         )
-        tuner.search(data.x_train, data.y_train, epochs=args.epochs, batch_size=128,
-                     validation_data=(data.x_test, data.y_test), verbose=0,
-                     callbacks=[mp.EpochTimer(), mp.LossScaleMonitor(), mp.NaNGradientMonitor()])
-        print(f"policies searched: {', '.join(policies)}; global policy after the search: "
-              f"{keras.config.dtype_policy().name}")
+        tuner.search(
+            data.x_train,
+            data.y_train,
+            epochs=args.epochs,
+            batch_size=128,
+            validation_data=(data.x_test, data.y_test),
+            verbose=0,
+            callbacks=[mp.EpochTimer(), mp.LossScaleMonitor(), mp.NaNGradientMonitor()],
+        )
+        print(
+            f"policies searched: {', '.join(policies)}; global policy after the search: "
+            f"{keras.config.dtype_policy().name}"
+        )
         for policy, reason in emulated.items():
             print(f"not searched: {policy} ({reason})")
         rows = []
         for trial in tuner.oracle.trials.values():
             if trial.score is None:
                 continue
-            rows.append({**trial.hyperparameters.values,
-                         "val_accuracy": trial.metrics.get_best_value("val_accuracy"),
-                         "epoch_time": trial.metrics.get_best_value("epoch_time")})
+            rows.append(
+                {
+                    **trial.hyperparameters.values,
+                    "val_accuracy": trial.metrics.get_best_value("val_accuracy"),
+                    "epoch_time": trial.metrics.get_best_value("epoch_time"),
+                }
+            )
         rows.sort(key=lambda row: -row["val_accuracy"])
         for row in rows:
-            print(f"{row['dtype_policy']:<15} units {row['units']:<4} lr {row['learning_rate']:<6} "
-                  f"val_accuracy {row['val_accuracy']:.3f}  epoch_time {row['epoch_time']:.2f} s")
+            print(
+                f"{row['dtype_policy']:<15} units {row['units']:<4} lr {row['learning_rate']:<6} "
+                f"val_accuracy {row['val_accuracy']:.3f}  epoch_time {row['epoch_time']:.2f} s"
+            )
     best = rows[0]
     near_best = [row for row in rows if row["val_accuracy"] >= best["val_accuracy"] - 0.005]
     fastest = min(near_best, key=lambda row: row["epoch_time"])
-    print(f"most accurate: {best['dtype_policy']}, units {best['units']}, lr {best['learning_rate']} "
-          f"(val_accuracy {best['val_accuracy']:.3f}, {best['epoch_time']:.2f} s/epoch)")
-    print(f"fastest within 0.5 points of it: {fastest['dtype_policy']}, units {fastest['units']}, "
-          f"lr {fastest['learning_rate']} (val_accuracy {fastest['val_accuracy']:.3f}, "
-          f"{fastest['epoch_time']:.2f} s/epoch)")
+    print(
+        f"most accurate: {best['dtype_policy']}, units {best['units']}, lr {best['learning_rate']} "
+        f"(val_accuracy {best['val_accuracy']:.3f}, {best['epoch_time']:.2f} s/epoch)"
+    )
+    print(
+        f"fastest within 0.5 points of it: {fastest['dtype_policy']}, units {fastest['units']}, "
+        f"lr {fastest['learning_rate']} (val_accuracy {fastest['val_accuracy']:.3f}, "
+        f"{fastest['epoch_time']:.2f} s/epoch)"
+    )
     return {"best": best, "fastest_near_best": fastest, "policies": policies}
 
 

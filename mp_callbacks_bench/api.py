@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mp_callbacks_bench.settings import POLICIES, QUICK, BenchError, BenchSettings
+from mp_callbacks_bench.settings import POLICIES, QUICK, BenchError, BenchSettings, Preset
 
 __all__ = ["BenchReport", "choose_policies", "run_bench"]
 
@@ -220,7 +220,7 @@ def run_bench(
         if value is not None:
             _check_count(name, value, low=1)
     _check_count("seed", seed, low=0)
-    preset = QUICK if quick else {}
+    preset: Preset = QUICK if quick else {}
     spec_text = _as_model_spec(model if model is not None else preset.get("model", "mlp"))
     parse_model_spec(spec_text)
     for policy in policies or ():

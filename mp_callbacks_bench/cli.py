@@ -31,7 +31,7 @@ class _OneLineParser(argparse.ArgumentParser):
     """Bad input: one line on stderr, `mp-callbacks <command>: error: ...`,
     and exit code 2, without the usage dump."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 

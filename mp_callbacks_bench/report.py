@@ -184,6 +184,11 @@ def json_document(
     return json.dumps(document, indent=2)
 
 
+def _or(value: float | None, default: float) -> float:
+    """`value`, or `default` where a run did not report it (0.0 is a value)."""
+    return default if value is None else value
+
+
 def plot_results(results: Sequence[dict[str, Any]], path: str, title: str = "") -> None:
     """Three panels per policy: epoch time (with the range over runs as
     error bars and the speed-up written on top), the estimated step memory
@@ -199,14 +204,8 @@ def plot_results(results: Sequence[dict[str, Any]], path: str, title: str = "") 
 
     times = [r.get("epoch_time") or 0.0 for r in results]
     time_errors = [
-        [
-            t - (r.get("epoch_time_min") if r.get("epoch_time_min") is not None else t)
-            for t, r in zip(times, results)
-        ],
-        [
-            (r.get("epoch_time_max") if r.get("epoch_time_max") is not None else t) - t
-            for t, r in zip(times, results)
-        ],
+        [t - _or(r.get("epoch_time_min"), t) for t, r in zip(times, results)],
+        [_or(r.get("epoch_time_max"), t) - t for t, r in zip(times, results)],
     ]
     time_axis.bar(positions, times, yerr=time_errors, capsize=6, color="tab:blue")
     time_axis.set_ylabel("epoch time (s): best run; bars: range over runs")
@@ -237,14 +236,8 @@ def plot_results(results: Sequence[dict[str, Any]], path: str, title: str = "") 
 
     accuracies = [100 * (r.get("accuracy") or 0.0) for r in results]
     accuracy_errors = [
-        [
-            a - 100 * (r.get("accuracy_min") if r.get("accuracy_min") is not None else a / 100)
-            for a, r in zip(accuracies, results)
-        ],
-        [
-            100 * (r.get("accuracy_max") if r.get("accuracy_max") is not None else a / 100) - a
-            for a, r in zip(accuracies, results)
-        ],
+        [a - 100 * _or(r.get("accuracy_min"), a / 100) for a, r in zip(accuracies, results)],
+        [100 * _or(r.get("accuracy_max"), a / 100) - a for a, r in zip(accuracies, results)],
     ]
     accuracy_axis.bar(positions, accuracies, yerr=accuracy_errors, capsize=6, color="tab:green")
     accuracy_axis.set_ylabel("validation accuracy (%)")

@@ -155,6 +155,7 @@ def run_in_subprocess(policy: str, settings: BenchSettings) -> dict[str, Any]:
             errors="replace",
         )
         kept: list[str] = []
+        assert process.stderr is not None  # stderr=PIPE above
         for line in process.stderr:
             if is_startup_noise(line) or not line.strip():
                 continue

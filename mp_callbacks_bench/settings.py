@@ -7,8 +7,9 @@ line can check its arguments in a fraction of a second.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict
 
-__all__ = ["BUILT_IN_MODELS", "POLICIES", "QUICK", "BenchError", "BenchSettings"]
+__all__ = ["BUILT_IN_MODELS", "POLICIES", "QUICK", "BenchError", "BenchSettings", "Preset"]
 
 # The same tuple as mp_callbacks.hardware.POLICIES (a test keeps them equal);
 # repeated here because importing that module starts TensorFlow.
@@ -43,11 +44,23 @@ class BenchSettings:
     quiet: bool = False
 
 
+class Preset(TypedDict, total=False):
+    """A `--quick` preset: the settings it fills when the user gave none."""
+
+    model: str
+    epochs: int
+    train_samples: int
+    test_samples: int
+    repeats: int
+    max_repeats: int
+    steps: int
+
+
 # A preset that finishes in about a minute and a half on 2 CPU cores: the
 # CNN (where mixed precision pays most), 8,000 images, 4 epochs (3 warm),
 # each policy run twice in alternation so that a burst of machine noise
 # cannot decide the table alone.
-QUICK = {
+QUICK: Preset = {
     "model": "cnn",
     "epochs": 4,
     "train_samples": 8000,

@@ -13,14 +13,14 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from mp_callbacks_bench.settings import POLICIES, BenchError, BenchSettings
+from mp_callbacks_bench.settings import POLICIES, BenchError, BenchSettings, Preset
 
 __all__ = ["QUICK_TUNE", "plot_plan", "run_tune"]
 
 logger = logging.getLogger("mp_callbacks_bench")
 
 #: `tune --quick`: the CNN on 4,000 built-in images, 60 proof steps.
-QUICK_TUNE = {"model": "cnn", "train_samples": 4000, "test_samples": 1000, "steps": 60}
+QUICK_TUNE: Preset = {"model": "cnn", "train_samples": 4000, "test_samples": 1000, "steps": 60}
 
 
 def run_tune(
@@ -47,7 +47,7 @@ def run_tune(
     from mp_callbacks_bench.data import load_dataset
     from mp_callbacks_bench.user_model import parse_model_spec
 
-    preset = QUICK_TUNE if quick else {}
+    preset: Preset = QUICK_TUNE if quick else {}
     text = model or preset.get("model", "mlp")
     spec = parse_model_spec(text)
     for policy in policies or ():

@@ -56,6 +56,8 @@ def _import_target(spec: ModelSpec):
             raise BenchError(f"--model {spec.text}: no such file {spec.target}")
         module_name = "_mp_callbacks_user_model_" + os.path.splitext(os.path.basename(path))[0]
         module_spec = importlib.util.spec_from_file_location(module_name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise BenchError(f"--model {spec.text}: {spec.target} cannot be imported as a Python module")
         module = importlib.util.module_from_spec(module_spec)
         # A user's file may import its neighbours, as when run as a script.
         sys.path.insert(0, os.path.dirname(path))

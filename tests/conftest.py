@@ -1,24 +1,23 @@
 """Shared test set-up: two logical CPUs, quiet TensorFlow, policy hygiene."""
 
+import contextlib
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import pytest
+import tensorflow as tf
 
 # MirroredStrategy tests need two devices; logical devices can only be set
 # before TensorFlow initialises its runtime, so do it at collection time.
 _cpus = tf.config.list_physical_devices("CPU")
-try:
+with contextlib.suppress(RuntimeError):  # runtime already initialised by a plugin
     tf.config.set_logical_device_configuration(
         _cpus[0],
         [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()],
     )
-except RuntimeError:  # runtime already initialised by a plugin
-    pass
 
 import keras  # noqa: E402
 

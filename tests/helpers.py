@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import numpy as np
 import keras
+import numpy as np
 import tensorflow as tf
 
 import mp_callbacks as mp
@@ -21,9 +21,7 @@ def tiny_classifier(
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((features,))
     hidden = keras.layers.Dense(units, activation="relu", name="hidden")(inputs)
-    outputs = keras.layers.Dense(
-        classes, activation="softmax", dtype="float32", name="head"
-    )(hidden)
+    outputs = keras.layers.Dense(classes, activation="softmax", dtype="float32", name="head")(hidden)
     if cls is None:
         return mp.MixedPrecisionModel(inputs, outputs, loss_scale=loss_scale)
     return cls(inputs, outputs)

@@ -69,7 +69,8 @@ class GAN(mp.MixedPrecisionModel):  # mp: was keras.Model
             real_images = real_images[0]
         batch_size = tf.shape(real_images)[0]
         random_latent_vectors = keras.random.normal(
-            shape=(batch_size, self.latent_dim), seed=self.seed_generator)
+            shape=(batch_size, self.latent_dim), seed=self.seed_generator
+        )
         generated_images = self.generator(random_latent_vectors)
         combined_images = tf.concat([generated_images, real_images], axis=0)
         labels = tf.concat([tf.ones((batch_size, 1)), tf.zeros((batch_size, 1))], axis=0)
@@ -83,7 +84,8 @@ class GAN(mp.MixedPrecisionModel):  # mp: was keras.Model
         self.scaler.step(self.d_optimizer, grads, d_weights, loss=d_loss)  # mp
 
         random_latent_vectors = keras.random.normal(
-            shape=(batch_size, self.latent_dim), seed=self.seed_generator)
+            shape=(batch_size, self.latent_dim), seed=self.seed_generator
+        )
         misleading_labels = tf.zeros((batch_size, 1))
         with tf.GradientTape() as tape:
             predictions = self.discriminator(self.generator(random_latent_vectors))
@@ -99,15 +101,30 @@ class GAN(mp.MixedPrecisionModel):  # mp: was keras.Model
 
 def gan(features=4, latent_dim=3):
     keras.utils.set_random_seed(0)
-    discriminator = keras.Sequential([
-        keras.Input((features,)), keras.layers.Dense(4), keras.layers.LeakyReLU(0.2),
-        keras.layers.Dense(1, dtype="float32")], name="discriminator")
-    generator = keras.Sequential([
-        keras.Input((latent_dim,)), keras.layers.Dense(4), keras.layers.LeakyReLU(0.2),
-        keras.layers.Dense(features, activation="tanh", dtype="float32")], name="generator")
+    discriminator = keras.Sequential(
+        [
+            keras.Input((features,)),
+            keras.layers.Dense(4),
+            keras.layers.LeakyReLU(0.2),
+            keras.layers.Dense(1, dtype="float32"),
+        ],
+        name="discriminator",
+    )
+    generator = keras.Sequential(
+        [
+            keras.Input((latent_dim,)),
+            keras.layers.Dense(4),
+            keras.layers.LeakyReLU(0.2),
+            keras.layers.Dense(features, activation="tanh", dtype="float32"),
+        ],
+        name="generator",
+    )
     model = GAN(discriminator, generator, latent_dim)
-    model.compile(d_optimizer=keras.optimizers.Adam(0.001), g_optimizer=keras.optimizers.Adam(0.001),
-                  loss_fn=keras.losses.BinaryCrossentropy(from_logits=True))
+    model.compile(
+        d_optimizer=keras.optimizers.Adam(0.001),
+        g_optimizer=keras.optimizers.Adam(0.001),
+        loss_fn=keras.losses.BinaryCrossentropy(from_logits=True),
+    )
     return model
 
 
@@ -144,7 +161,8 @@ class VAE(mp.MixedPrecisionModel):  # mp: was keras.Model
             z_mean, z_log_var, z = self.encoder(data)
             reconstruction = self.decoder(z)
             reconstruction_loss = ops.mean(
-                ops.sum(keras.losses.binary_crossentropy(data, reconstruction), axis=-1))
+                ops.sum(keras.losses.binary_crossentropy(data, reconstruction), axis=-1)
+            )
             kl_loss = -0.5 * (1 + z_log_var - ops.square(z_mean) - ops.exp(z_log_var))
             kl_loss = ops.mean(ops.sum(kl_loss, axis=1))
             total_loss = reconstruction_loss + kl_loss
@@ -179,8 +197,7 @@ def vae(features=6, latent_dim=2, optimizer=None):
 
 
 class WGANGP(mp.MixedPrecisionModel):  # mp: was keras.Model
-    def __init__(self, discriminator, generator, latent_dim, discriminator_extra_steps=3,
-                 gp_weight=10.0):
+    def __init__(self, discriminator, generator, latent_dim, discriminator_extra_steps=3, gp_weight=10.0):
         super().__init__()
         self.discriminator = discriminator
         self.generator = generator
@@ -210,7 +227,7 @@ class WGANGP(mp.MixedPrecisionModel):  # mp: was keras.Model
         if isinstance(real_images, tuple):
             real_images = real_images[0]
         batch_size = tf.shape(real_images)[0]
-        for i in range(self.d_steps):
+        for _ in range(self.d_steps):
             random_latent_vectors = tf.random.normal(shape=(batch_size, self.latent_dim))
             with tf.GradientTape() as tape:
                 fake_images = self.generator(random_latent_vectors, training=True)
@@ -221,8 +238,12 @@ class WGANGP(mp.MixedPrecisionModel):  # mp: was keras.Model
                 d_loss = d_cost + gp * self.gp_weight
                 scaled_d_loss = self.scaler.scale(d_loss)  # mp
             d_gradient = tape.gradient(scaled_d_loss, self.discriminator.trainable_variables)  # mp
-            self.scaler.step(self.d_optimizer, d_gradient,  # mp
-                                 self.discriminator.trainable_variables, loss=d_loss)
+            self.scaler.step(
+                self.d_optimizer,
+                d_gradient,  # mp
+                self.discriminator.trainable_variables,
+                loss=d_loss,
+            )
         random_latent_vectors = tf.random.normal(shape=(batch_size, self.latent_dim))
         with tf.GradientTape() as tape:
             generated_images = self.generator(random_latent_vectors, training=True)
@@ -230,19 +251,35 @@ class WGANGP(mp.MixedPrecisionModel):  # mp: was keras.Model
             g_loss = self.g_loss_fn(gen_img_logits)
             scaled_g_loss = self.scaler.scale(g_loss)  # mp
         gen_gradient = tape.gradient(scaled_g_loss, self.generator.trainable_variables)  # mp
-        self.scaler.step(self.g_optimizer, gen_gradient,  # mp
-                             self.generator.trainable_variables, loss=g_loss)
+        self.scaler.step(
+            self.g_optimizer,
+            gen_gradient,  # mp
+            self.generator.trainable_variables,
+            loss=g_loss,
+        )
         return {"d_loss": d_loss, "g_loss": g_loss}
 
 
 def wgan_gp(features=4, latent_dim=3):
     keras.utils.set_random_seed(0)
-    discriminator = keras.Sequential([
-        keras.Input((features,)), keras.layers.Dense(4), keras.layers.LeakyReLU(0.2),
-        keras.layers.Dense(1, dtype="float32")], name="critic")
-    generator = keras.Sequential([
-        keras.Input((latent_dim,)), keras.layers.Dense(4), keras.layers.LeakyReLU(0.2),
-        keras.layers.Dense(features, dtype="float32")], name="generator")
+    discriminator = keras.Sequential(
+        [
+            keras.Input((features,)),
+            keras.layers.Dense(4),
+            keras.layers.LeakyReLU(0.2),
+            keras.layers.Dense(1, dtype="float32"),
+        ],
+        name="critic",
+    )
+    generator = keras.Sequential(
+        [
+            keras.Input((latent_dim,)),
+            keras.layers.Dense(4),
+            keras.layers.LeakyReLU(0.2),
+            keras.layers.Dense(features, dtype="float32"),
+        ],
+        name="generator",
+    )
     model = WGANGP(discriminator, generator, latent_dim)
     model.compile(
         d_optimizer=keras.optimizers.Adam(0.0002, beta_1=0.5, beta_2=0.9),

@@ -13,11 +13,11 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-import keras  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
 
-import mp_callbacks as mp  # noqa: E402
+import mp_callbacks as mp
 
 
 def main(out_path: str) -> None:
@@ -40,10 +40,21 @@ def main(out_path: str) -> None:
     # One poisoned batch is not a divergence. Whether its loss is NaN too
     # depends on the CPU (oneDNN's relu of NaN is NaN on some, 0 on others):
     # patience=2 makes the run the same on both.
-    callbacks = [mp.LossScaleMonitor(max_skipped_fraction=1.0), mp.NaNGradientMonitor(patience=2),
-                 mp.EpochTimer()]
-    history = model.fit(x, y, epochs=2, batch_size=16, shuffle=False, verbose=0,
-                        validation_data=(x_val, y_val), callbacks=callbacks).history
+    callbacks = [
+        mp.LossScaleMonitor(max_skipped_fraction=1.0),
+        mp.NaNGradientMonitor(patience=2),
+        mp.EpochTimer(),
+    ]
+    history = model.fit(
+        x,
+        y,
+        epochs=2,
+        batch_size=16,
+        shuffle=False,
+        verbose=0,
+        validation_data=(x_val, y_val),
+        callbacks=callbacks,
+    ).history
     evaluation = model.evaluate(x_val, y_val, batch_size=16, verbose=0, return_dict=True)
     state = model.scaler.diagnostics()
     np.savez(

@@ -24,7 +24,9 @@ odd_values = st.one_of(
     st.none(),
     st.sampled_from(["", "auto", "no", "8", "stop"]),
     st.floats(allow_nan=True, allow_infinity=True),
-    st.sampled_from([0, 0.0, -1, -0.5, 1, 2, 0.5, 1e-50, 2.0**-130, 1e39, 2.0**128, 2**63, 2**63 - 1, -(2**63)]),
+    st.sampled_from(
+        [0, 0.0, -1, -0.5, 1, 2, 0.5, 1e-50, 2.0**-130, 1e39, 2.0**128, 2**63, 2**63 - 1, -(2**63)]
+    ),
     st.integers(-(2**70), 2**70),
     st.builds(np.float32, st.floats(width=32, allow_nan=True, allow_infinity=True)),
     st.builds(np.int64, st.integers(-(2**63), 2**63 - 1)),
@@ -49,14 +51,25 @@ def _construct(factory, argument, value):
         return None
 
 
-DYNAMIC_ARGS = ["initial_scale", "growth_interval", "growth_factor", "backoff_factor",
-                "min_scale", "max_scale", "hysteresis"]
+DYNAMIC_ARGS = [
+    "initial_scale",
+    "growth_interval",
+    "growth_factor",
+    "backoff_factor",
+    "min_scale",
+    "max_scale",
+    "hysteresis",
+]
 
 
 def _same_number(kept, given) -> bool:
     """Kept as the number given, in the type it is stored as (float scales, int counts)."""
-    return (isinstance(given, numbers.Real) and not isinstance(given, (bool, np.bool_))
-            and type(kept) in (int, float) and kept == type(kept)(given))
+    return (
+        isinstance(given, numbers.Real)
+        and not isinstance(given, (bool, np.bool_))
+        and type(kept) in (int, float)
+        and kept == type(kept)(given)
+    )
 
 
 @pytest.mark.parametrize("argument", DYNAMIC_ARGS)
@@ -77,13 +90,15 @@ def test_dynamic_loss_scale_arguments(argument, value):
     assert loss_scale.diagnostics()["skipped_steps"] == 1
 
 
-@pytest.mark.parametrize("argument", ["initial_scale", "dynamic_growth_steps", "loss_scale",
-                                      "dynamic", "hysteresis", "min_scale"])
+@pytest.mark.parametrize(
+    "argument", ["initial_scale", "dynamic_growth_steps", "loss_scale", "dynamic", "hysteresis", "min_scale"]
+)
 @FUZZ
 @given(value=odd_values)
 def test_loss_scale_optimizer_arguments(argument, value):
-    optimizer = _construct(lambda **kw: mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), **kw),
-                           argument, value)
+    optimizer = _construct(
+        lambda **kw: mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), **kw), argument, value
+    )
     if optimizer is None:
         return
     variable = tf.Variable([1.0])

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from mp_callbacks._cpu_features import CpuInfo
-from mp_callbacks.hardware import POLICIES as HARDWARE_POLICIES
-from mp_callbacks.hardware import PATHOLOGICAL_SPEED, inspect_hardware
 from mp_callbacks.hardware import MIN_SPEEDUP as HARDWARE_MIN_SPEEDUP
+from mp_callbacks.hardware import PATHOLOGICAL_SPEED, inspect_hardware
+from mp_callbacks.hardware import POLICIES as HARDWARE_POLICIES
 from mp_callbacks_bench.api import choose_policies
 from mp_callbacks_bench.report import (
     MIN_SPEEDUP,
@@ -25,10 +25,17 @@ from mp_callbacks_bench.settings import POLICIES
 
 def _row(policy, epoch_time, accuracy=0.95, speedup=None, **extra):
     row = {
-        "policy": policy, "epoch_time": epoch_time, "samples_per_sec": 8000 / epoch_time,
-        "speedup": speedup, "peak_memory_mb": 760.0, "accuracy": accuracy, "skipped_steps": 0,
-        "epoch_time_min": epoch_time, "epoch_time_max": epoch_time * 1.25,
-        "estimated_step_memory": {"total": 12.5}, "diverged": False,
+        "policy": policy,
+        "epoch_time": epoch_time,
+        "samples_per_sec": 8000 / epoch_time,
+        "speedup": speedup,
+        "peak_memory_mb": 760.0,
+        "accuracy": accuracy,
+        "skipped_steps": 0,
+        "epoch_time_min": epoch_time,
+        "epoch_time_max": epoch_time * 1.25,
+        "estimated_step_memory": {"total": 12.5},
+        "diverged": False,
     }
     row.update(extra)
     return row
@@ -47,9 +54,23 @@ def test_table_shows_each_value_with_its_unit():
     lines = format_table([FLOAT32, BF16_FAST]).splitlines()
     assert lines[0].split("  ")[0] == "policy"
     assert [cell.strip() for cell in lines[2].split("  ") if cell.strip()] == [
-        "float32", "1.31", "1.31-1.64", "6,107", "1.00x", "12.5", "760", "96.9%", "0"]
+        "float32",
+        "1.31",
+        "1.31-1.64",
+        "6,107",
+        "1.00x",
+        "12.5",
+        "760",
+        "96.9%",
+        "0",
+    ]
     assert [cell.strip() for cell in lines[3].split("  ") if cell.strip()][:5] == [
-        "mixed_bfloat16", "1.02", "1.02-1.27", "7,843", "1.28x"]
+        "mixed_bfloat16",
+        "1.02",
+        "1.02-1.27",
+        "7,843",
+        "1.28x",
+    ]
     assert len({len(line) for line in lines}) == 1  # aligned
 
 
@@ -65,9 +86,11 @@ def test_verdict_picks_the_fastest_policy_that_keeps_accuracy():
     fp16 = _row("mixed_float16", 0.9, 0.90, 1.31 / 0.9)  # fastest, but 6.9 points worse
     policy, text = verdict([FLOAT32, fp16, BF16_FAST])
     assert policy == "mixed_bfloat16"
-    assert text == ("use mixed_bfloat16 here: 1.28x float32's speed (1.02 s vs 1.31 s per epoch; "
-                    "validation accuracy 97.2% vs 96.9%). Not mixed_float16 was 1.46x as fast but "
-                    "lost 6.9% of validation accuracy.")
+    assert text == (
+        "use mixed_bfloat16 here: 1.28x float32's speed (1.02 s vs 1.31 s per epoch; "
+        "validation accuracy 97.2% vs 96.9%). Not mixed_float16 was 1.46x as fast but "
+        "lost 6.9% of validation accuracy."
+    )
 
 
 def test_verdict_stays_with_float32_when_nothing_is_faster():
@@ -75,8 +98,9 @@ def test_verdict_stays_with_float32_when_nothing_is_faster():
     diverged = _row("mixed_float16", 0.5, 0.1, 2.6, diverged=True)
     policy, text = verdict([FLOAT32, slow, diverged])
     assert policy == "float32"
-    assert text == ("use float32 here: mixed_bfloat16 ran at 0.35x float32's speed (slower); "
-                    "mixed_float16 diverged.")
+    assert text == (
+        "use float32 here: mixed_bfloat16 ran at 0.35x float32's speed (slower); mixed_float16 diverged."
+    )
     assert verdict([FLOAT32]) == ("float32", "use float32 here: no mixed policy was run.")
 
 
@@ -135,7 +159,10 @@ def test_plot_has_time_memory_and_accuracy_with_error_bars(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     axes = captured["figure"].axes
     assert [axis.get_title() for axis in axes] == [
-        "epoch time (lower is better)", "memory", "validation accuracy (higher is better)"]
+        "epoch time (lower is better)",
+        "memory",
+        "validation accuracy (higher is better)",
+    ]
     # The range over runs is drawn: one error bar per policy on the time axis.
     error_bars = [c for c in axes[0].containers if type(c).__name__ == "ErrorbarContainer"]
     assert len(error_bars) == 1
@@ -146,7 +173,10 @@ def test_plot_has_time_memory_and_accuracy_with_error_bars(tmp_path):
 
 
 # ------------------------------------------------------ choosing policies
-def _hardware(speed=None, cpu=CpuInfo("x", "x86_64", frozenset(), "/proc/cpuinfo")):
+_PLAIN_CPU = CpuInfo("x", "x86_64", frozenset(), "/proc/cpuinfo")
+
+
+def _hardware(speed=None, cpu=_PLAIN_CPU):
     return inspect_hardware(measure=False, cpu=cpu, gpus=[], speed=speed)
 
 
@@ -156,9 +186,12 @@ def test_all_policies_run_unless_one_is_measured_as_emulated():
     emulated = _hardware({"float32": 1.0, "mixed_float16": PATHOLOGICAL_SPEED / 50, "mixed_bfloat16": 2.5})
     to_run, skipped = choose_policies(None, emulated)
     assert to_run == ["float32", "mixed_bfloat16"]
-    assert skipped == [{"policy": "mixed_float16", "reason":
-                        "measured 0.005x of float32's speed in the probe on given; "
-                        "--force runs it anyway"}]
+    assert skipped == [
+        {
+            "policy": "mixed_float16",
+            "reason": "measured 0.005x of float32's speed in the probe on given; --force runs it anyway",
+        }
+    ]
     assert choose_policies(None, emulated, force=True) == (list(POLICIES), [])
     assert choose_policies(["mixed_float16"], emulated)[0] == []
     # bfloat16 is always compared, however slow the probe finds it.

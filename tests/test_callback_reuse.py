@@ -10,9 +10,9 @@ import warnings
 import keras
 import numpy as np
 import pytest
+from helpers import classification_data, tiny_classifier
 
 import mp_callbacks as mp
-from helpers import classification_data, tiny_classifier
 
 
 def _nan_then_clean(n_nan_batches: int, n_clean_batches: int, batch_size: int = 8):
@@ -62,10 +62,12 @@ def test_warn_mode_warns_once_per_divergent_check_and_never_after():
     monitor = mp.NaNGradientMonitor(patience=1, action="warn", check_every=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        history = model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
-                            callbacks=[monitor])
-    messages = [str(w.message) for w in caught if issubclass(w.category, mp.MixedPrecisionWarning)
-                and "diverged" in str(w.message)]
+        history = model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=[monitor])
+    messages = [
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, mp.MixedPrecisionWarning) and "diverged" in str(w.message)
+    ]
     assert len(messages) == 4
     assert [m.split("by step ")[1].split(":")[0] for m in messages] == ["1", "2", "3", "4"]
     assert all("the loss was non-finite" in m and "minimum" not in m for m in messages)
@@ -74,8 +76,11 @@ def test_warn_mode_warns_once_per_divergent_check_and_never_after():
 
 def _growing_model(name: str = "a"):
     # Scale x16 every 2 finite steps: one growth per 2-step fit.
-    model = tiny_classifier(loss_scale=mp.LossScaler(
-        initial_scale=256.0, growth_interval=2, growth_factor=16.0, max_scale=2.0**30))
+    model = tiny_classifier(
+        loss_scale=mp.LossScaler(
+            initial_scale=256.0, growth_interval=2, growth_factor=16.0, max_scale=2.0**30
+        )
+    )
     model.compile("sgd", "sparse_categorical_crossentropy")
     return model
 
@@ -106,15 +111,16 @@ def test_loss_scale_monitor_logs_the_scale_on_a_stock_model_with_our_optimizer()
     x, y = classification_data(n=16)
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
-    model.compile(mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=64.0),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=64.0),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     history = model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[mp.LossScaleMonitor()])
     assert history.history["loss_scale"] == [64.0]
 
 
 def test_collapse_inside_an_epoch_is_reported_even_after_recovery():
-    model = tiny_classifier(loss_scale=mp.LossScaler(
-        initial_scale=4.0, growth_interval=1, min_scale=1.0))
+    model = tiny_classifier(loss_scale=mp.LossScaler(initial_scale=4.0, growth_interval=1, min_scale=1.0))
     model.compile("sgd", "sparse_categorical_crossentropy")
     x, y = _nan_then_clean(2, 6)
     monitor = mp.LossScaleMonitor(max_skipped_fraction=1.0)
@@ -152,9 +158,15 @@ def test_epoch_time_excludes_validation_exactly():
     clock = _FakeClock()
     timer = mp.EpochTimer(time_validation=True)
     timer._clock = clock
-    history = model.fit(x[:32], y[:32], batch_size=8, epochs=2, verbose=0,
-                        validation_data=(x[32:], y[32:]),
-                        callbacks=[_Advance(clock), timer])
+    history = model.fit(
+        x[:32],
+        y[:32],
+        batch_size=8,
+        epochs=2,
+        verbose=0,
+        validation_data=(x[32:], y[32:]),
+        callbacks=[_Advance(clock), timer],
+    )
     assert history.history["epoch_time"] == [4.0, 4.0]
     assert history.history["val_time"] == [200.0, 200.0]
     assert history.history["steps_per_sec"] == [1.0, 1.0]
@@ -181,11 +193,14 @@ def test_callbacks_raise_no_numpy_deprecation_warning():
     x, y = classification_data(n=16)
     model = tiny_classifier()
     model.compile("sgd", "sparse_categorical_crossentropy")
-    callbacks = [mp.LossScaleMonitor(every_n_steps=1), mp.NaNGradientMonitor(check_every=1),
-                 mp.EpochTimer()]
+    callbacks = [mp.LossScaleMonitor(every_n_steps=1), mp.NaNGradientMonitor(check_every=1), mp.EpochTimer()]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=callbacks)
-    ours = [w for w in caught if issubclass(w.category, DeprecationWarning)
-            and ("mp_callbacks" in w.filename or "__array__" in str(w.message))]
+    ours = [
+        w
+        for w in caught
+        if issubclass(w.category, DeprecationWarning)
+        and ("mp_callbacks" in w.filename or "__array__" in str(w.message))
+    ]
     assert ours == []

@@ -15,26 +15,49 @@ from mp_callbacks_bench.cli import _version, main
 from mp_callbacks_bench.report import verdict
 from mp_callbacks_bench.settings import POLICIES
 
-RESULT_FIELDS = {"policy", "epoch_time", "epoch_time_min", "epoch_time_max", "samples_per_sec",
-                 "speedup", "peak_memory_mb", "estimated_step_memory", "accuracy",
-                 "skipped_steps", "optimizer", "diverged"}
-STARTUP_NOISE = ("absl::InitializeLog", "oneDNN custom operations", "cpu_feature_guard",
-                 "rebuild TensorFlow")
+RESULT_FIELDS = {
+    "policy",
+    "epoch_time",
+    "epoch_time_min",
+    "epoch_time_max",
+    "samples_per_sec",
+    "speedup",
+    "peak_memory_mb",
+    "estimated_step_memory",
+    "accuracy",
+    "skipped_steps",
+    "optimizer",
+    "diverged",
+}
+STARTUP_NOISE = ("absl::InitializeLog", "oneDNN custom operations", "cpu_feature_guard", "rebuild TensorFlow")
 
 
 def _cli(*args, env=None, timeout=600, module="mp_callbacks_bench"):
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 @pytest.fixture(scope="module")
 def quick_bench(tmp_path_factory):
     directory = tmp_path_factory.mktemp("bench")
-    paths = {k: directory / name for k, name in
-             (("json", "out.json"), ("markdown", "table.md"), ("plot", "plot.png"))}
+    paths = {
+        k: directory / name
+        for k, name in (("json", "out.json"), ("markdown", "table.md"), ("plot", "plot.png"))
+    }
     # --quick, cut to 1,024 training samples to keep the suite short.
-    completed = _cli("bench", "--quick", "--train-samples", "1024", "--json", str(paths["json"]),
-                     "--markdown", str(paths["markdown"]), "--plot", str(paths["plot"]))
+    completed = _cli(
+        "bench",
+        "--quick",
+        "--train-samples",
+        "1024",
+        "--json",
+        str(paths["json"]),
+        "--markdown",
+        str(paths["markdown"]),
+        "--plot",
+        str(paths["plot"]),
+    )
     return completed, paths
 
 
@@ -52,7 +75,7 @@ def test_quick_bench_compares_every_policy_the_probe_does_not_rule_out(quick_ben
     assert list(results) == [p for p in POLICIES if p not in emulated]
     assert "mixed_bfloat16" in results  # always compared
     for result in results.values():
-        assert RESULT_FIELDS <= set(result)
+        assert set(result) >= RESULT_FIELDS
         assert result["epoch_time_min"] <= result["epoch_time"] <= result["epoch_time_max"]
         # Two alternating runs, and up to four while they do not separate.
         assert 2 <= len(result["epoch_times_of_runs"]) <= 4
@@ -68,8 +91,7 @@ def test_quick_bench_compares_every_policy_the_probe_does_not_rule_out(quick_ben
 
 def test_estimated_step_memory_shows_what_mixed_precision_changes(quick_bench):
     _, paths = quick_bench
-    rows = {r["policy"]: r["estimated_step_memory"]
-            for r in json.loads(paths["json"].read_text())["results"]}
+    rows = {r["policy"]: r["estimated_step_memory"] for r in json.loads(paths["json"].read_text())["results"]}
     float32, bfloat16 = rows["float32"], rows["mixed_bfloat16"]
     # Variables stay float32 (same weights, gradients, Adam slots); the
     # activations are computed in bfloat16: half, except the float32 softmax.
@@ -106,7 +128,7 @@ def test_no_tensorflow_start_up_lines_reach_the_terminal(quick_bench):
 
 
 # ------------------------------------------------------ the user's model
-USER_MODELS = '''
+USER_MODELS = """
 import keras
 
 
@@ -142,7 +164,7 @@ def raises():
 
 
 VALUE = 3
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -160,8 +182,7 @@ SMALL = ["--policies", "float32", "mixed_bfloat16", "--epochs", "2", "--train-sa
 
 def test_bench_of_a_model_in_a_file(user_module, tmp_path, capsys):
     out = tmp_path / "file.json"
-    code = main(["bench", "--model", f"{user_module}:build_compiled", *SMALL, "--quiet",
-                 "--json", str(out)])
+    code = main(["bench", "--model", f"{user_module}:build_compiled", *SMALL, "--quiet", "--json", str(out)])
     assert code == 0, capsys.readouterr().err
     document = json.loads(out.read_text())
     assert document["model"] == f"{user_module}:build_compiled"
@@ -173,23 +194,41 @@ def test_bench_of_a_model_in_a_file(user_module, tmp_path, capsys):
 
 
 def test_python_api_benches_a_module_function_with_the_same_rows(user_module, tmp_path):
-    from mp_callbacks_bench import run_bench
-
     import bench_user_models
 
-    report = run_bench(bench_user_models.build, policies=["float32", "mixed_bfloat16"],
-                       epochs=2, train_samples=512)
+    from mp_callbacks_bench import run_bench
+
+    report = run_bench(
+        bench_user_models.build, policies=["float32", "mixed_bfloat16"], epochs=2, train_samples=512
+    )
     assert report.settings.model == "bench_user_models:build"
     assert [r["policy"] for r in report.results] == ["float32", "mixed_bfloat16"]
     assert {r["optimizer"] for r in report.results} == {"Adam"}  # compiled for the user
-    assert RESULT_FIELDS <= set(report.results[0])
+    assert set(report.results[0]) >= RESULT_FIELDS
     document = json.loads(report.to_json())
     assert document["recommended_policy"] == report.recommended_policy
     assert report.table().splitlines()[2].startswith("float32")
     # The CLI's rows have the same fields.
     out = tmp_path / "cli.json"
-    assert main(["bench", "--model", "bench_user_models:build", "--policies", "float32",
-                 "--epochs", "1", "--train-samples", "256", "--quiet", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--model",
+                "bench_user_models:build",
+                "--policies",
+                "float32",
+                "--epochs",
+                "1",
+                "--train-samples",
+                "256",
+                "--quiet",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     cli_row = json.loads(out.read_text())["results"][0]
     assert set(cli_row) == set(report.results[0])
 
@@ -197,10 +236,16 @@ def test_python_api_benches_a_module_function_with_the_same_rows(user_module, tm
 @pytest.mark.parametrize(
     "function, expected",
     [
-        ("wrong_input", "--model {spec}: the model does not take the data's samples of shape "
-                        "(28, 28) (it expects (10,)): ValueError: "),
-        ("three_classes", "--model {spec}: the model's output has shape (3,) per sample; the data "
-                          "has 10 classes, so it needs (10,)"),
+        (
+            "wrong_input",
+            "--model {spec}: the model does not take the data's samples of shape "
+            "(28, 28) (it expects (10,)): ValueError: ",
+        ),
+        (
+            "three_classes",
+            "--model {spec}: the model's output has shape (3,) per sample; the data "
+            "has 10 classes, so it needs (10,)",
+        ),
         ("not_a_model", "--model {spec}: not_a_model() returned 42 (of type int), not a Keras model"),
         ("raises", "--model {spec}: raises() raised RuntimeError: no GPU memory"),
         ("VALUE", "--model {spec}: VALUE is not a function (it is of type int)"),
@@ -219,12 +264,13 @@ def test_a_bad_model_is_one_line_before_any_training(function, expected, user_mo
 def test_missing_module_and_file_are_one_line(tmp_path, capsys):
     assert main(["bench", "--model", "no_such_module_xyz:build"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "mp-callbacks bench: error: --model no_such_module_xyz:build: no module named "
-        "'no_such_module_xyz'")
+        "mp-callbacks bench: error: --model no_such_module_xyz:build: no module named 'no_such_module_xyz'"
+    )
     missing = tmp_path / "nowhere.py"
     assert main(["bench", "--model", f"{missing}:build"]) == 2
     assert capsys.readouterr().err.strip() == (
-        f"mp-callbacks bench: error: --model {missing}:build: no such file {missing}")
+        f"mp-callbacks bench: error: --model {missing}:build: no such file {missing}"
+    )
 
 
 # ------------------------------------------------------------ bad input
@@ -237,28 +283,62 @@ def _bad_npz(tmp_path, **arrays):
 @pytest.mark.parametrize(
     "argv_builder, expected",
     [
-        (lambda t: ["bench", "--policies", "float64"],
-         "argument --policies: unknown policy 'float64'"),
-        (lambda t: ["bench", "--model", "resnet"],
-         "argument --model: 'resnet': use mlp, cnn, MODULE:FUNCTION or path/to/file.py:FUNCTION"),
-        (lambda t: ["bench", "--model", "a-b:c"],
-         "argument --model: 'a-b:c': 'a-b' is not a Python module name"),
+        (lambda t: ["bench", "--policies", "float64"], "argument --policies: unknown policy 'float64'"),
+        (
+            lambda t: ["bench", "--model", "resnet"],
+            "argument --model: 'resnet': use mlp, cnn, MODULE:FUNCTION or path/to/file.py:FUNCTION",
+        ),
+        (
+            lambda t: ["bench", "--model", "a-b:c"],
+            "argument --model: 'a-b:c': 'a-b' is not a Python module name",
+        ),
         (lambda t: ["bench", "--dataset", "imagenet"], "unknown dataset 'imagenet'"),
         (lambda t: ["bench", "--dataset", str(t / "missing.npz")], "no such file"),
         (lambda t: ["bench", "--epochs", "0"], "must be a positive integer; got '0'"),
         (lambda t: ["bench", "--batch-size", "-8"], "must be a positive integer; got '-8'"),
         (lambda t: ["bench", "--epochs", "two"], "must be a positive integer; got 'two'"),
-        (lambda t: (t.joinpath("garbage.npz").write_bytes(b"not a zip"),
-                    ["bench", "--dataset", str(t / "garbage.npz")])[1], "not an .npz archive"),
-        (lambda t: ["bench", "--dataset", _bad_npz(t, x_train=np.zeros((4, 3)))],
-         "lacks y_train, x_test, y_test; it needs the arrays x_train, y_train, x_test, y_test, "
-         "and has x_train"),
-        (lambda t: ["bench", "--dataset", _bad_npz(
-            t, x_train=np.zeros((4, 3)), y_train=np.zeros(5, int),
-            x_test=np.zeros((2, 3)), y_test=np.zeros(2, int))], "same N"),
-        (lambda t: ["bench", "--model", "cnn", "--dataset", _bad_npz(
-            t, x_train=np.zeros((4, 3)), y_train=np.zeros(4, int),
-            x_test=np.zeros((2, 3)), y_test=np.zeros(2, int))], "use --model mlp"),
+        (
+            lambda t: (
+                t.joinpath("garbage.npz").write_bytes(b"not a zip"),
+                ["bench", "--dataset", str(t / "garbage.npz")],
+            )[1],
+            "not an .npz archive",
+        ),
+        (
+            lambda t: ["bench", "--dataset", _bad_npz(t, x_train=np.zeros((4, 3)))],
+            "lacks y_train, x_test, y_test; it needs the arrays x_train, y_train, x_test, y_test, "
+            "and has x_train",
+        ),
+        (
+            lambda t: [
+                "bench",
+                "--dataset",
+                _bad_npz(
+                    t,
+                    x_train=np.zeros((4, 3)),
+                    y_train=np.zeros(5, int),
+                    x_test=np.zeros((2, 3)),
+                    y_test=np.zeros(2, int),
+                ),
+            ],
+            "same N",
+        ),
+        (
+            lambda t: [
+                "bench",
+                "--model",
+                "cnn",
+                "--dataset",
+                _bad_npz(
+                    t,
+                    x_train=np.zeros((4, 3)),
+                    y_train=np.zeros(4, int),
+                    x_test=np.zeros((2, 3)),
+                    y_test=np.zeros(2, int),
+                ),
+            ],
+            "use --model mlp",
+        ),
         (lambda t: ["frobnicate"], "invalid choice: 'frobnicate'"),
     ],
 )
@@ -276,21 +356,29 @@ def test_bad_input_gives_one_line_and_exit_code_2(argv_builder, expected, tmp_pa
 
 
 def test_mnist_that_cannot_be_downloaded_is_a_clear_error(tmp_path):
-    env = dict(os.environ, KERAS_HOME=str(tmp_path), HTTPS_PROXY="http://127.0.0.1:9",
-               HTTP_PROXY="http://127.0.0.1:9", https_proxy="http://127.0.0.1:9")
+    env = dict(
+        os.environ,
+        KERAS_HOME=str(tmp_path),
+        HTTPS_PROXY="http://127.0.0.1:9",
+        HTTP_PROXY="http://127.0.0.1:9",
+        https_proxy="http://127.0.0.1:9",
+    )
     completed = _cli("bench", "--dataset", "mnist", "--policies", "float32", env=env, timeout=180)
     assert completed.returncode == 2
     assert "could not download MNIST" in completed.stderr
     assert "Traceback" not in completed.stderr
 
 
-@pytest.mark.parametrize("flag, name, expected", [
-    ("--plot", "x.txt", "--plot {path}: the file name must end with .png or .svg or .pdf"),
-    ("--json", "x.csv", "--json {path}: the file name must end with .json"),
-    ("--markdown", "x.json", "--markdown {path}: the file name must end with .md or .markdown"),
-    ("--json", "missing_dir/x.json", "--json {path}: the folder {parent} does not exist"),
-    ("--json", "a_folder.json", "--json {path}: is a folder, not a file"),
-])
+@pytest.mark.parametrize(
+    "flag, name, expected",
+    [
+        ("--plot", "x.txt", "--plot {path}: the file name must end with .png or .svg or .pdf"),
+        ("--json", "x.csv", "--json {path}: the file name must end with .json"),
+        ("--markdown", "x.json", "--markdown {path}: the file name must end with .md or .markdown"),
+        ("--json", "missing_dir/x.json", "--json {path}: the folder {parent} does not exist"),
+        ("--json", "a_folder.json", "--json {path}: is a folder, not a file"),
+    ],
+)
 def test_output_paths_are_refused_before_any_training(flag, name, expected, tmp_path, capsys):
     (tmp_path / "a_folder.json").mkdir()
     path = str(tmp_path / name)
@@ -298,16 +386,25 @@ def test_output_paths_are_refused_before_any_training(flag, name, expected, tmp_
     captured = capsys.readouterr()
     assert code == 2
     assert captured.err.strip() == "mp-callbacks bench: error: " + expected.format(
-        path=path, parent=str(tmp_path / "missing_dir"))
+        path=path, parent=str(tmp_path / "missing_dir")
+    )
     assert captured.out == ""
     assert not (tmp_path / "missing_dir").exists()  # no folder is created
 
 
 # ------------------------------------------------- fast, quiet start-up
-@pytest.mark.parametrize("argv, code", [
-    (["--help"], 0), (["bench", "--help"], 0), (["doctor", "--help"], 0), (["--version"], 0),
-    (["bench", "--epochs", "0"], 2), (["bench", "--model", "resnet"], 2), ([], 2),
-])
+@pytest.mark.parametrize(
+    "argv, code",
+    [
+        (["--help"], 0),
+        (["bench", "--help"], 0),
+        (["doctor", "--help"], 0),
+        (["--version"], 0),
+        (["bench", "--epochs", "0"], 2),
+        (["bench", "--model", "resnet"], 2),
+        ([], 2),
+    ],
+)
 def test_help_version_and_argument_errors_do_not_import_tensorflow(argv, code):
     script = (
         "import sys\n"
@@ -315,14 +412,14 @@ def test_help_version_and_argument_errors_do_not_import_tensorflow(argv, code):
         f"try:\n    code = main({argv!r})\nexcept SystemExit as e:\n    code = e.code\n"
         "print('EXIT', code, 'tensorflow' in sys.modules, 'keras' in sys.modules)\n"
     )
-    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                               timeout=60)
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert completed.stdout.strip().splitlines()[-1] == f"EXIT {code} False False", completed.stderr
 
 
 def test_help_texts_stand_on_their_own():
-    texts = [_cli(*args, timeout=60).stdout for args in
-             (["--help"], ["bench", "--help"], ["doctor", "--help"])]
+    texts = [
+        _cli(*args, timeout=60).stdout for args in (["--help"], ["bench", "--help"], ["doctor", "--help"])
+    ]
     assert all("usage: mp-callbacks" in text for text in texts)
     assert "--quick" in texts[1] and "MODULE:FUNCTION" in texts[1] and "--no-probe" in texts[2]
     for text in texts:
@@ -366,8 +463,9 @@ def test_doctor_text_and_no_probe():
 def test_startup_noise_filter_keeps_real_errors():
     from mp_callbacks_bench._native_stderr import is_startup_noise
 
-    assert is_startup_noise("WARNING: All log messages before absl::InitializeLog() is called "
-                            "are written to STDERR")
+    assert is_startup_noise(
+        "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+    )
     assert is_startup_noise("I0000 00:00:1795 port.cc:153] oneDNN custom operations are on. You may")
     assert not is_startup_noise("E0000 00:00:1795 cuda_driver.cc:1] failed call to cuInit")
     assert not is_startup_noise("Traceback (most recent call last):")

@@ -8,10 +8,10 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import NaNGradientDense, classification_data
 
 import mp_callbacks as mp
 from mp_callbacks import LossScaleOptimizer
-from helpers import NaNGradientDense, classification_data
 
 
 def _loop_step(optimizer, variable, loss_fn):
@@ -40,12 +40,15 @@ def test_wrapped_optimizer_with_a_factor_compiles_into_the_model_without_double_
         outputs = keras.layers.Dense(3)(inputs)
         if wrap:
             model = mp.MixedPrecisionModel(inputs, outputs)
-            model.compile(LossScaleOptimizer(keras.optimizers.SGD(0.5, loss_scale_factor=100.0)),
-                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model.compile(
+                LossScaleOptimizer(keras.optimizers.SGD(0.5, loss_scale_factor=100.0)),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
         else:
             model = keras.Model(inputs, outputs)
-            model.compile(keras.optimizers.SGD(0.5),
-                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model.compile(
+                keras.optimizers.SGD(0.5), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+            )
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
         weights.append(model.get_weights())
     for stock, ours in zip(*weights):
@@ -64,8 +67,9 @@ def _float8_model(cls):
 
 
 def _float8_state(model):
-    return {v.path: v.numpy() for v in model.trainable_variables
-            if getattr(v, "overwrite_with_gradient", False)}
+    return {
+        v.path: v.numpy() for v in model.trainable_variables if getattr(v, "overwrite_with_gradient", False)
+    }
 
 
 def test_float8_state_variables_train_as_in_stock_keras():
@@ -97,6 +101,7 @@ def test_grad_norm_leaves_out_float8_state_variables():
     variables = model.trainable_variables
     real = [not getattr(v, "overwrite_with_gradient", False) for v in variables]
     assert 0 < sum(real) < len(variables)
+
     @tf.function  # float8's custom gradient works in a graph, as in fit
     def gradients_at_start():
         with tf.GradientTape() as tape:
@@ -154,18 +159,17 @@ def test_tf_keras_signature_and_attributes():
 def test_tf_keras_errors():
     with pytest.raises(TypeError, match="cannot wrap another LossScaleOptimizer"):
         LossScaleOptimizer(LossScaleOptimizer(keras.optimizers.SGD()))
-    with pytest.raises(TypeError, match='"dynamic" argument to LossScaleOptimizer.__init__ must be a bool'):
+    with pytest.raises(TypeError, match=r'"dynamic" argument to LossScaleOptimizer.__init__ must be a bool'):
         LossScaleOptimizer(keras.optimizers.SGD(), "dynamic")
     with pytest.raises(ValueError, match="dynamic_growth_steps"):
-        LossScaleOptimizer(keras.optimizers.SGD(), dynamic=False, initial_scale=2.0,
-                           dynamic_growth_steps=2)
+        LossScaleOptimizer(keras.optimizers.SGD(), dynamic=False, initial_scale=2.0, dynamic_growth_steps=2)
     with pytest.raises(ValueError, match="initial_scale"):
         LossScaleOptimizer(keras.optimizers.SGD(), dynamic=False)
     inner = keras.optimizers.SGD()
     LossScaleOptimizer(inner)
     with pytest.raises(ValueError, match="already wrapped"):
         LossScaleOptimizer(inner)
-    with pytest.raises(ValueError, match="loss_scale.*initial_scale"):
+    with pytest.raises(ValueError, match=r"loss_scale.*initial_scale"):
         LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=-5.0, loss_scale=mp.LossScaler())
     for bad, error in ((5, None), ("auto", ValueError), (0, ValueError), ([], TypeError), ({}, ValueError)):
         if error is None:
@@ -194,7 +198,7 @@ def test_learning_rate_and_ema_pass_through_the_wrapper_and_nothing_else():
     optimizer.ema_momentum = 0.88
     assert inner.use_ema is True and inner.ema_momentum == 0.88
     with pytest.raises(AttributeError, match="nesterov"):
-        optimizer.nesterov
+        _ = optimizer.nesterov
     optimizer.nesterov = True
     assert optimizer.nesterov is True and inner.nesterov is False
 
@@ -216,13 +220,16 @@ def test_an_overridden_apply_gradients_is_honoured():
 def test_forgotten_scaling_warns_like_tf_keras():
     variable = tf.Variable(1.0)
     optimizer = LossScaleOptimizer(keras.optimizers.SGD())
-    with pytest.warns(mp.MixedPrecisionWarning,
-                      match=r"You forgot to call LossScaleOptimizer.get_scaled_loss\(\) and"):
+    with pytest.warns(
+        mp.MixedPrecisionWarning, match=r"You forgot to call LossScaleOptimizer.get_scaled_loss\(\) and"
+    ):
         optimizer.apply_gradients([(tf.constant(1.0), variable)])
     optimizer = LossScaleOptimizer(keras.optimizers.SGD())
     optimizer.get_scaled_loss(tf.constant(1.0))
-    with pytest.warns(mp.MixedPrecisionWarning,
-                      match=r"You forgot to call LossScaleOptimizer.get_unscaled_gradients\(\) before"):
+    with pytest.warns(
+        mp.MixedPrecisionWarning,
+        match=r"You forgot to call LossScaleOptimizer.get_unscaled_gradients\(\) before",
+    ):
         optimizer.apply_gradients([(tf.constant(1.0), variable)])
 
 
@@ -289,7 +296,9 @@ class TwoOptimizerGAN(keras.Model):
             fake = self.generator(noise, training=True)
             real_logits = self.discriminator(real, training=True)
             fake_logits = self.discriminator(fake, training=True)
-            d_loss = bce(tf.ones_like(real_logits), real_logits) + bce(tf.zeros_like(fake_logits), fake_logits)
+            d_loss = bce(tf.ones_like(real_logits), real_logits) + bce(
+                tf.zeros_like(fake_logits), fake_logits
+            )
             g_loss = bce(tf.ones_like(fake_logits), fake_logits)
             d_scaled, g_scaled = scale.scale(d_loss), scale.scale(g_loss)
         d_vars = self.discriminator.trainable_variables
@@ -304,11 +313,13 @@ class TwoOptimizerGAN(keras.Model):
 
 def _gan(poison_generator: bool, loss_scale):
     keras.utils.set_random_seed(0)
-    hidden = (NaNGradientDense(4, name="g_poisoned") if poison_generator
-              else keras.layers.Dense(4, name="g_hidden"))
+    hidden = (
+        NaNGradientDense(4, name="g_poisoned") if poison_generator else keras.layers.Dense(4, name="g_hidden")
+    )
     generator = keras.Sequential([keras.Input((3,)), hidden, keras.layers.Dense(2, name="g_out")])
-    discriminator = keras.Sequential([keras.Input((2,)), keras.layers.Dense(4, activation="relu"),
-                                      keras.layers.Dense(1)])
+    discriminator = keras.Sequential(
+        [keras.Input((2,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)]
+    )
     gan = TwoOptimizerGAN(generator, discriminator, loss_scale)
     gan.compile(keras.optimizers.SGD(0.01), keras.optimizers.SGD(0.01))
     return gan
@@ -357,8 +368,10 @@ def test_no_forgotten_scaling_warning_when_keras_fit_drives_the_wrapper():
     x, y = classification_data(n=16)
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
-    model.compile(LossScaleOptimizer(keras.optimizers.SGD(0.1)),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        LossScaleOptimizer(keras.optimizers.SGD(0.1)),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model.fit(x, y, batch_size=8, verbose=0)
@@ -386,8 +399,9 @@ def test_keras_3_contract_float8_state_is_overwritten_not_unscaled():
 
 
 def test_keras_3_config_layout_and_integral_growth_steps():
-    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.5), initial_scale=3.0,
-                                   dynamic_growth_steps=2.0, name="test_opt")
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.5), initial_scale=3.0, dynamic_growth_steps=2.0, name="test_opt"
+    )
     config = optimizer.get_config()
     assert sorted(config) == ["dynamic_growth_steps", "initial_scale", "inner_optimizer", "name"]
     assert config["dynamic_growth_steps"] == 2 and config["initial_scale"] == 3.0
@@ -396,8 +410,10 @@ def test_keras_3_config_layout_and_integral_growth_steps():
     fixed = LossScaleOptimizer(keras.optimizers.SGD(), dynamic=False, initial_scale=8.0)
     assert LossScaleOptimizer.from_config(fixed.get_config()).get_scale() == 8.0
     hysteresis = LossScaleOptimizer(keras.optimizers.SGD(), hysteresis=2, min_scale=4.0)
-    assert LossScaleOptimizer.from_config(hysteresis.get_config()).scaler.get_config() \
+    assert (
+        LossScaleOptimizer.from_config(hysteresis.get_config()).scaler.get_config()
         == hysteresis.scaler.get_config()
+    )
 
 
 def test_unknown_arguments_are_refused_as_both_peers_refuse_them():
@@ -445,10 +461,14 @@ class _SeeGradient(keras.layers.Layer):
         @tf.custom_gradient
         def identity(x):
             def grad(upstream):
-                with tf.control_dependencies([self.seen.assign(tf.cast(tf.reduce_max(upstream), tf.float32))]):
+                with tf.control_dependencies(
+                    [self.seen.assign(tf.cast(tf.reduce_max(upstream), tf.float32))]
+                ):
                     nan = tf.fill(tf.shape(upstream), tf.constant(np.nan, upstream.dtype))
                     return tf.where(self.poison, nan, tf.identity(upstream))
+
             return tf.identity(x), grad
+
         return identity(x)
 
 
@@ -462,7 +482,8 @@ def _tf_keras_model(optimizer):
 
 def test_tf_keras_fixed_loss_scaling_model():
     model, multiply, see = _tf_keras_model(
-        LossScaleOptimizer(keras.optimizers.SGD(1.0), dynamic=False, initial_scale=8.0))
+        LossScaleOptimizer(keras.optimizers.SGD(1.0), dynamic=False, initial_scale=8.0)
+    )
     data = tf.data.Dataset.from_tensor_slices((np.ones((4, 1)), np.ones((4, 1)))).batch(4)
     model.fit(data, verbose=0)
     assert float(see.seen.numpy()) == 8.0 / 4  # the scale reached the gradients
@@ -472,12 +493,18 @@ def test_tf_keras_fixed_loss_scaling_model():
 def test_tf_keras_dynamic_loss_scaling_model():
     keras.config.set_dtype_policy("mixed_float16")
     model, multiply, see = _tf_keras_model(
-        LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=2.0, dynamic_growth_steps=2))
+        LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=2.0, dynamic_growth_steps=2)
+    )
     data = tf.data.Dataset.from_tensor_slices((np.ones((4, 1)), np.ones((4, 1)))).batch(4)
     # Scale 2 -> 4 after two finite steps -> 2 after the NaN step, which
     # leaves v alone; the gradient at the output is scale / batch size.
-    for poisoned, v, gradient in ((False, 0.0, 0.5), (False, -1.0, 0.5), (False, -2.0, 1.0),
-                                  (True, -2.0, None), (False, -3.0, 0.5)):
+    for poisoned, v, gradient in (
+        (False, 0.0, 0.5),
+        (False, -1.0, 0.5),
+        (False, -2.0, 1.0),
+        (True, -2.0, None),
+        (False, -3.0, 0.5),
+    ):
         see.poison.assign(poisoned)
         model.fit(data, verbose=0)
         assert float(multiply.v.numpy()) == v

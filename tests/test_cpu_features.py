@@ -24,16 +24,40 @@ def _recorded(name: str) -> str:
     "name, architecture, model, features, bfloat16, float16",
     [
         ("linux-x86_64-amd-epyc-avx512-bf16.txt", "x86_64", "AMD EPYC", {"avx512_bf16"}, True, False),
-        ("linux-x86_64-xeon-8259cl-no-bf16.txt", "x86_64",
-         "Intel(R) Xeon(R) Platinum 8259CL CPU @ 2.50GHz", set(), False, False),
+        (
+            "linux-x86_64-xeon-8259cl-no-bf16.txt",
+            "x86_64",
+            "Intel(R) Xeon(R) Platinum 8259CL CPU @ 2.50GHz",
+            set(),
+            False,
+            False,
+        ),
         # AVX512-FP16 is float16 arithmetic TensorFlow's training does not
         # use (float16 trained at 0.007x of float32 there): not native.
-        ("linux-x86_64-xeon-amx-bf16-avx512-fp16.txt", "x86_64", "Intel(R) Xeon(R) Processor",
-         {"amx_bf16", "avx512_bf16", "avx512_fp16"}, True, False),
-        ("linux-aarch64-graviton3.txt", "aarch64", "Arm Neoverse V1 (e.g. AWS Graviton3)",
-         {"bf16", "asimdhp"}, True, True),
-        ("linux-aarch64-graviton2.txt", "aarch64", "Arm Neoverse N1 (e.g. AWS Graviton2)",
-         {"asimdhp"}, False, True),
+        (
+            "linux-x86_64-xeon-amx-bf16-avx512-fp16.txt",
+            "x86_64",
+            "Intel(R) Xeon(R) Processor",
+            {"amx_bf16", "avx512_bf16", "avx512_fp16"},
+            True,
+            False,
+        ),
+        (
+            "linux-aarch64-graviton3.txt",
+            "aarch64",
+            "Arm Neoverse V1 (e.g. AWS Graviton3)",
+            {"bf16", "asimdhp"},
+            True,
+            True,
+        ),
+        (
+            "linux-aarch64-graviton2.txt",
+            "aarch64",
+            "Arm Neoverse N1 (e.g. AWS Graviton2)",
+            {"asimdhp"},
+            False,
+            True,
+        ),
     ],
 )
 def test_linux_proc_cpuinfo(name, architecture, model, features, bfloat16, float16):
@@ -51,16 +75,17 @@ def test_only_the_first_processor_is_read():
 
 
 def test_an_unknown_arm_part_is_named_by_its_numbers():
-    info = parse_proc_cpuinfo("CPU implementer\t: 0x61\nCPU part\t: 0x999\nFeatures\t: fp bf16\n",
-                              "aarch64")
+    info = parse_proc_cpuinfo("CPU implementer\t: 0x61\nCPU part\t: 0x999\nFeatures\t: fp bf16\n", "aarch64")
     assert info.model == "Arm CPU (implementer 0x61, part 0x999)"
     assert info.native_bfloat16 is True
 
 
 @pytest.mark.parametrize(
     "name, model, bfloat16, float16",
-    [("macos-arm64-apple-m2.txt", "Apple M2", True, True),
-     ("macos-arm64-apple-m1.txt", "Apple M1", False, True)],
+    [
+        ("macos-arm64-apple-m2.txt", "Apple M2", True, True),
+        ("macos-arm64-apple-m1.txt", "Apple M1", False, True),
+    ],
 )
 def test_macos_sysctl(name, model, bfloat16, float16):
     info = parse_sysctl(_recorded(name), "arm64")
@@ -70,20 +95,29 @@ def test_macos_sysctl(name, model, bfloat16, float16):
 
 
 def test_intel_mac_features_take_linux_spelling():
-    text = ("machdep.cpu.brand_string: Intel(R) Xeon(R) W-3245 CPU @ 3.20GHz\n"
-            "machdep.cpu.leaf7_features: RDWRFSGS TSC_THREAD_OFFSET SGX BMI1 AVX2 AVX512F "
-            "AVX512BF16 AVX512VNNI\n")
+    text = (
+        "machdep.cpu.brand_string: Intel(R) Xeon(R) W-3245 CPU @ 3.20GHz\n"
+        "machdep.cpu.leaf7_features: RDWRFSGS TSC_THREAD_OFFSET SGX BMI1 AVX2 AVX512F "
+        "AVX512BF16 AVX512VNNI\n"
+    )
     info = parse_sysctl(text, "x86_64")
     assert info.features == {"avx512_bf16"} and info.native_bfloat16 is True
 
 
 def test_read_cpu_info_picks_the_platform_reader():
-    linux = read_cpu_info("Linux", "aarch64",
-                          read_file=lambda path: _recorded("linux-aarch64-graviton3.txt"),
-                          run_sysctl=lambda: pytest.fail("sysctl is not read on Linux"))
+    linux = read_cpu_info(
+        "Linux",
+        "aarch64",
+        read_file=lambda path: _recorded("linux-aarch64-graviton3.txt"),
+        run_sysctl=lambda: pytest.fail("sysctl is not read on Linux"),
+    )
     assert linux.native_bfloat16 is True and linux.source == "/proc/cpuinfo"
-    mac = read_cpu_info("Darwin", "arm64", read_file=lambda path: pytest.fail("no file on macOS"),
-                        run_sysctl=lambda: _recorded("macos-arm64-apple-m2.txt"))
+    mac = read_cpu_info(
+        "Darwin",
+        "arm64",
+        read_file=lambda path: pytest.fail("no file on macOS"),
+        run_sysctl=lambda: _recorded("macos-arm64-apple-m2.txt"),
+    )
     assert mac.model == "Apple M2" and mac.native_bfloat16 is True
 
 

@@ -12,9 +12,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from keras_io_models import GuideModel, gan, guide_model, vae, wgan_gp
 
 import mp_callbacks as mp
-from keras_io_models import GuideModel, gan, guide_model, vae, wgan_gp
 
 POISONED_STEP = 2  # of 4 steps of 8 samples
 
@@ -41,8 +41,9 @@ def _finite(model):
 
 def _fit(model, *data, monitors=(), epochs=1):
     batches = BatchLogs()
-    history = model.fit(*data, batch_size=8, epochs=epochs, shuffle=False, verbose=0,
-                        callbacks=[batches, *monitors]).history
+    history = model.fit(
+        *data, batch_size=8, epochs=epochs, shuffle=False, verbose=0, callbacks=[batches, *monitors]
+    ).history
     return history, [logs["skipped_steps"] for logs in batches.logs]
 
 
@@ -87,7 +88,7 @@ def test_wgan_gp_skips_every_critic_update_of_the_poisoned_step():
     # The penalty's gradients overflow float16 at 2**15: start lower, so
     # that the only skip is the poisoned step's.
     model.set_loss_scale(mp.LossScaler(initial_scale=2.0**8))
-    history, skipped = _fit(model, _poisoned(4))
+    _, skipped = _fit(model, _poisoned(4))
     assert _finite(model)
     assert skipped == [0.0, 0.0, 1.0, 1.0]
     assert model.scaler.diagnostics()["step_count"] == 4
@@ -106,8 +107,9 @@ def test_the_guides_own_train_step_is_protected_and_warned_once():
     model.compile(optimizer="adam", loss="mse", metrics=["mae"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        history, skipped = _fit(model, x, y, epochs=2,
-                                monitors=[mp.LossScaleMonitor(max_skipped_fraction=1.0)])
+        history, skipped = _fit(
+            model, x, y, epochs=2, monitors=[mp.LossScaleMonitor(max_skipped_fraction=1.0)]
+        )
     unscaled = [w for w in caught if "never scales its loss" in str(w.message)]
     assert len(unscaled) == 1 and issubclass(unscaled[0].category, mp.MixedPrecisionWarning)
     assert "self.optimizer.scale_loss(loss)" in str(unscaled[0].message)
@@ -130,8 +132,14 @@ def test_a_nan_loss_in_your_own_step_raises_as_in_stock_keras(base):
     model = guide_model(base)
     model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(mp.NonFiniteGradientError, match="the loss was non-finite"):
-        model.fit(x, np.zeros((32, 1), "float32"), batch_size=8, shuffle=False, verbose=0,
-                  callbacks=[mp.NaNGradientMonitor(action="raise", check_every=1)])
+        model.fit(
+            x,
+            np.zeros((32, 1), "float32"),
+            batch_size=8,
+            shuffle=False,
+            verbose=0,
+            callbacks=[mp.NaNGradientMonitor(action="raise", check_every=1)],
+        )
     assert _finite(model)
 
 
@@ -175,8 +183,7 @@ def test_each_spelling_unscales_exactly_once(spelling):
         if base is None:
             model = keras.Model(inputs, outputs)
         else:
-            model = type("Scaling", (_Scaling,), {"spelling": spelling})(
-                inputs, outputs, loss_scale=2.0**10)
+            model = type("Scaling", (_Scaling,), {"spelling": spelling})(inputs, outputs, loss_scale=2.0**10)
         model.compile(keras.optimizers.SGD(0.1), "mse")
         model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
         weights.append(model.get_weights())
@@ -248,8 +255,14 @@ def test_a_hand_written_steps_scale_is_found_under_any_attribute():
     x = np.random.default_rng(3).normal(size=(32, 4)).astype("float32")
     x[8] = x[24] = np.nan  # 2 of 4 steps skipped, after an applied one
     with pytest.warns(mp.MixedPrecisionWarning, match=r"^2 of 4 steps \(50%\) were skipped"):
-        history = model.fit(x, np.zeros((32, 1), "float32"), batch_size=8, shuffle=False,
-                            verbose=0, callbacks=[mp.LossScaleMonitor()]).history
+        history = model.fit(
+            x,
+            np.zeros((32, 1), "float32"),
+            batch_size=8,
+            shuffle=False,
+            verbose=0,
+            callbacks=[mp.LossScaleMonitor()],
+        ).history
     # The NaN rows make the loss NaN: bad data, skipped without backing off.
     assert history["loss_scale"] == [2.0**10] and history["skipped_steps"] == [2.0]
     assert mp.LossScaler is type(model.scaler) and _finite(model)
@@ -314,8 +327,9 @@ def test_auto_scale_loss_false_means_no_scaling_as_in_keras():
         def __init__(self):
             super().__init__(dtype="mixed_float16")
             self.dense_layers = [
-                keras.layers.Dense(1, use_bias=False, kernel_initializer="ones",
-                                   activation="sigmoid", dtype="mixed_float16")
+                keras.layers.Dense(
+                    1, use_bias=False, kernel_initializer="ones", activation="sigmoid", dtype="mixed_float16"
+                )
                 for _ in range(15)
             ]
 
@@ -327,8 +341,7 @@ def test_auto_scale_loss_false_means_no_scaling_as_in_keras():
     moved = {}
     for auto_scale_loss in (False, True):
         model = DeepModel()
-        model.compile(keras.optimizers.SGD(learning_rate=1e9), loss="mse",
-                      auto_scale_loss=auto_scale_loss)
+        model.compile(keras.optimizers.SGD(learning_rate=1e9), loss="mse", auto_scale_loss=auto_scale_loss)
         model.fit(np.ones((1, 1)), np.ones((1, 1)), batch_size=1, verbose=0)
         kernel = model.dense_layers[0].kernel.numpy()
         moved[auto_scale_loss] = not np.array_equal(kernel, np.ones_like(kernel))
@@ -371,8 +384,9 @@ def test_a_skipped_sparse_batch_is_not_kept_and_the_diagnosis_says_so():
     model.compile("sgd", "mse")
     monitor = mp.NaNGradientMonitor(action="warn", check_every=1)
     with pytest.warns(mp.MixedPrecisionWarning, match="not replayed: its inputs are sparse"):
-        history = model.fit(tf.data.Dataset.from_tensors((x, np.zeros((8, 1), "float32"))),
-                            verbose=0, callbacks=[monitor]).history
+        history = model.fit(
+            tf.data.Dataset.from_tensors((x, np.zeros((8, 1), "float32"))), verbose=0, callbacks=[monitor]
+        ).history
     assert history["skipped_steps"] == [1.0] and model.kept_batch() is None
 
 
@@ -385,8 +399,7 @@ def test_ragged_inputs_train(run_eagerly):
     model = Doubling()
     x = tf.ragged.constant([[1.0], [2.0, 3.0]])
     assert isinstance(model(x), tf.RaggedTensor)
-    model.compile(optimizer="adam", loss=lambda y, y_pred, sample_weight=None: 0.0,
-                  run_eagerly=run_eagerly)
+    model.compile(optimizer="adam", loss=lambda y, y_pred, sample_weight=None: 0.0, run_eagerly=run_eagerly)
     history = model.fit(x, x, verbose=0).history
     assert history["skipped_steps"] == [0.0]
     assert isinstance(model.predict(x, verbose=0), tf.RaggedTensor)

@@ -14,8 +14,7 @@ import mp_callbacks as mp
 
 # Tiny float16 layers keep the emulated float16 cheap on CPU; compile's
 # check_model hint about their sizes is expected (tested in test_model_checks).
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:check_model found:mp_callbacks.errors.MixedPrecisionWarning")
+pytestmark = pytest.mark.filterwarnings("ignore:check_model found:mp_callbacks.errors.MixedPrecisionWarning")
 
 
 @keras.saving.register_keras_serializable(package="mp_callbacks_tests")
@@ -27,8 +26,11 @@ class Boost(keras.layers.Layer):
         self.factor = factor
 
     def call(self, x):
-        return x * tf.cast(self.factor, tf.float32) if x.dtype == tf.float32 else \
-            tf.cast(tf.cast(x, tf.float32) * self.factor, x.dtype)
+        return (
+            x * tf.cast(self.factor, tf.float32)
+            if x.dtype == tf.float32
+            else tf.cast(tf.cast(x, tf.float32) * self.factor, x.dtype)
+        )
 
     def get_config(self):
         return {**super().get_config(), "factor": self.factor}
@@ -81,8 +83,14 @@ def test_forward_overflow_in_a_weightless_layer_is_named():
     model = _float16_model(lambda: Rescale(name="boost"))
     x, y = _data()
     with pytest.raises(mp.NonFiniteGradientError) as caught:
-        model.fit(x, y, batch_size=8, epochs=1, verbose=0,
-                  callbacks=[mp.NaNGradientMonitor(patience=1, action="raise", check_every=1)])
+        model.fit(
+            x,
+            y,
+            batch_size=8,
+            epochs=1,
+            verbose=0,
+            callbacks=[mp.NaNGradientMonitor(patience=1, action="raise", check_every=1)],
+        )
     error = caught.value
     assert error.origin == "boost"
     assert "'boost'" in str(error) and "forward pass" in str(error)
@@ -94,8 +102,14 @@ def test_backward_only_overflow_in_a_weightless_custom_gradient_layer_is_named()
     model = _float16_model(lambda: AmplifyGradient(name="amplify"), loss_scale=None)
     x, y = _data()
     with pytest.raises(mp.NonFiniteGradientError) as caught:
-        model.fit(x, y, batch_size=8, epochs=1, verbose=0,
-                  callbacks=[mp.NaNGradientMonitor(patience=1, action="raise", check_every=1)])
+        model.fit(
+            x,
+            y,
+            batch_size=8,
+            epochs=1,
+            verbose=0,
+            callbacks=[mp.NaNGradientMonitor(patience=1, action="raise", check_every=1)],
+        )
     error = caught.value
     assert error.origin == "amplify"
     assert "backward pass" in str(error)
@@ -119,7 +133,8 @@ def test_report_fields_hold_real_values():
     assert report.headroom["head"] < 1e-30  # float32's range is vast
     assert report.first_nonfinite_layer is None and report.first_nonfinite_gradient_layer is None
     assert report.loss_finite and report.loss == pytest.approx(
-        float(model.evaluate(x, y, verbose=0)), rel=1e-2)
+        float(model.evaluate(x, y, verbose=0)), rel=1e-2
+    )
     assert report.loss_scale == 1.0
     assert set(report.underflow) == {"pre", "boost", "head"}
     assert all(0.0 <= v <= 1.0 for v in report.underflow.values())
@@ -218,8 +233,16 @@ def test_the_replay_uses_the_kept_sample_weights():
     x, y = _data()
     weights = np.linspace(0.1, 2.0, len(x)).astype("float32")
     with pytest.raises(mp.NonFiniteGradientError) as caught:
-        model.fit(x, y + 1.0, sample_weight=weights, batch_size=8, epochs=1, verbose=0, shuffle=False,
-                  callbacks=[mp.NaNGradientMonitor(patience=1, action="raise", check_every=1)])
+        model.fit(
+            x,
+            y + 1.0,
+            sample_weight=weights,
+            batch_size=8,
+            epochs=1,
+            verbose=0,
+            shuffle=False,
+            callbacks=[mp.NaNGradientMonitor(patience=1, action="raise", check_every=1)],
+        )
     (kept_x, kept_y, kept_weights), _ = model.kept_batch()
     np.testing.assert_array_equal(kept_weights, weights[:8])
     weighted = mp.diagnose_batch(model, kept_x, kept_y, kept_weights).loss

@@ -82,7 +82,8 @@ def test_seed_loop_with_loss_scale_optimizer_under_mirrored(two_cpu_strategy):
         def replica_step(x, y):
             with tf.GradientTape() as tape:
                 loss = tf.nn.compute_average_loss(
-                    keras.losses.mean_squared_error(y, model(x, training=True)), global_batch_size=8)
+                    keras.losses.mean_squared_error(y, model(x, training=True)), global_batch_size=8
+                )
                 scaled_loss = optimizer.get_scaled_loss(loss)
             scaled_gradients = tape.gradient(scaled_loss, model.trainable_variables)
             gradients = optimizer.get_unscaled_gradients(scaled_gradients)
@@ -92,7 +93,8 @@ def test_seed_loop_with_loss_scale_optimizer_under_mirrored(two_cpu_strategy):
         return strategy.run(replica_step, args=(x, y))
 
     dataset = tf.data.Dataset.from_tensor_slices(
-        (np.ones((16, 4), "float32"), np.zeros((16, 2), "float32"))).batch(8)
+        (np.ones((16, 4), "float32"), np.zeros((16, 2), "float32"))
+    ).batch(8)
     for x, y in strategy.experimental_distribute_dataset(dataset):
         train_step(x, y)
     assert int(optimizer.iterations.numpy()) == 2
@@ -116,12 +118,23 @@ def test_multi_worker_mirrored_strategy_two_processes(tmp_path):
     cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
     workers = []
     for index in range(2):
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow",
-                   TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}))
+        env = dict(
+            os.environ,
+            TF_CPP_MIN_LOG_LEVEL="2",
+            KERAS_BACKEND="tensorflow",
+            TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
+        )
         out = tmp_path / f"worker{index}.npz"
-        log = open(tmp_path / f"worker{index}.log", "w")
-        workers.append((subprocess.Popen([sys.executable, WORKER, str(out)], env=env,
-                                         stdout=log, stderr=subprocess.STDOUT), out, log))
+        log = open(tmp_path / f"worker{index}.log", "w")  # noqa: SIM115 - closed in the finally below
+        workers.append(
+            (
+                subprocess.Popen(
+                    [sys.executable, WORKER, str(out)], env=env, stdout=log, stderr=subprocess.STDOUT
+                ),
+                out,
+                log,
+            )
+        )
     deadline = time.monotonic() + 240
     try:
         for process, _, _ in workers:
@@ -182,8 +195,9 @@ def test_a_non_finite_last_gradient_on_one_replica_skips_everywhere(two_cpu_stra
     # the state itself or through update().
     strategy = two_cpu_strategy
     with strategy.scope():
-        variables = [tf.Variable(tf.fill(shape, 2.0), name=f"v{i}")
-                     for i, shape in enumerate([(3,), (2, 2), (2,)])]
+        variables = [
+            tf.Variable(tf.fill(shape, 2.0), name=f"v{i}") for i, shape in enumerate([(3,), (2, 2), (2,)])
+        ]
         optimizer = keras.optimizers.SGD(0.5)
         loss_scale = mp.LossScaler(initial_scale=8.0)
         loss_scale.build(variables)

@@ -29,15 +29,27 @@ def code_blocks(page: Path) -> list[str]:
 
 
 def expected_output(code: str) -> list[str]:
-    return [line.split("  # ", 1)[1].strip() for line in code.splitlines()
-            if line.lstrip().startswith("print(") and "  # " in line]
+    return [
+        line.split("  # ", 1)[1].strip()
+        for line in code.splitlines()
+        if line.lstrip().startswith("print(") and "  # " in line
+    ]
 
 
 def test_the_guide_has_pages_and_code():
     guide = [page.stem for page in PAGES if page.parent.name == "guide"]
-    assert {"model", "loss-scale", "callbacks", "finding-overflows", "custom-train-step",
-            "hand-written-loops", "keras-tuner", "distribution", "autotune",
-            "bench-and-doctor"} <= set(guide)
+    assert {
+        "model",
+        "loss-scale",
+        "callbacks",
+        "finding-overflows",
+        "custom-train-step",
+        "hand-written-loops",
+        "keras-tuner",
+        "distribution",
+        "autotune",
+        "bench-and-doctor",
+    } <= set(guide)
     assert sum(len(code_blocks(page)) for page in PAGES) >= 20
 
 
@@ -61,14 +73,19 @@ def run_in_a_new_process(page: Path) -> list[str]:
     # in one process reuses the first one's collective keys (conftest.py).
     script = "\n".join(["import keras", "keras.utils.set_random_seed(0)", *code_blocks(page)])
     environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_BACKEND": "tensorflow"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env=environment, timeout=300, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.splitlines()
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if code_blocks(p)],
-                         ids=lambda p: str(p.relative_to(DOCS)))
+@pytest.mark.parametrize("page", [p for p in PAGES if code_blocks(p)], ids=lambda p: str(p.relative_to(DOCS)))
 def test_page_code_runs_and_prints_what_it_says(page):
     run = run_in_a_new_process if "tf.distribute." in page.read_text() else run_in_this_process
     printed = [line.strip() for line in run(page) if line.strip()]
@@ -83,8 +100,9 @@ def test_the_readme_quick_start_runs_as_written(tmp_path):
     code = BLOCK.findall(quick_start)[0]
     script = tmp_path / "quick_start.py"
     script.write_text(code)
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
-                            cwd=tmp_path)
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     printed = result.stdout.strip().splitlines()[-1]
     assert printed.startswith("[") and printed.count("[") == 3  # three per-epoch lists

@@ -10,10 +10,20 @@ import pytest
 
 import mp_callbacks as mp
 
-DOCUMENTED = [mp.LossScaler, mp.MixedPrecisionModel, mp.LossScaleMonitor,
-              mp.NaNGradientMonitor, mp.EpochTimer, mp.LossScaleOptimizer,
-              mp.HeadroomMonitor, mp.diagnose_batch, mp.with_float32_layers, mp.PrecisionPlan,
-              mp.float32_copy, mp.SpeedComparison]
+DOCUMENTED = [
+    mp.LossScaler,
+    mp.MixedPrecisionModel,
+    mp.LossScaleMonitor,
+    mp.NaNGradientMonitor,
+    mp.EpochTimer,
+    mp.LossScaleOptimizer,
+    mp.HeadroomMonitor,
+    mp.diagnose_batch,
+    mp.with_float32_layers,
+    mp.PrecisionPlan,
+    mp.float32_copy,
+    mp.SpeedComparison,
+]
 
 
 @pytest.mark.parametrize("cls", DOCUMENTED, ids=lambda c: c.__name__)
@@ -24,8 +34,11 @@ def test_docstring_example_runs(cls):
     output = io.StringIO()
     with contextlib.redirect_stdout(output):
         exec(compile(example, f"<{cls.__name__} docstring>", "exec"), {})
-    expected = [line.split("# ", 1)[1].strip() for line in example.splitlines()
-                if line.lstrip().startswith("print(") and "# " in line]
+    expected = [
+        line.split("# ", 1)[1].strip()
+        for line in example.splitlines()
+        if line.lstrip().startswith("print(") and "# " in line
+    ]
     printed = [line.strip() for line in output.getvalue().strip().splitlines()]
     assert expected, f"{cls.__name__}'s example documents no output"
     assert printed == expected

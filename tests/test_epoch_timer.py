@@ -17,8 +17,11 @@ def _stock_model():
 
 def test_works_on_a_stock_model_and_counts_the_last_partial_batch():
     timer = mp.EpochTimer()
-    history = _stock_model().fit(np.ones((50, 8)), np.zeros((50, 1)), batch_size=16, epochs=2,
-                                 callbacks=[timer], verbose=0).history
+    history = (
+        _stock_model()
+        .fit(np.ones((50, 8)), np.zeros((50, 1)), batch_size=16, epochs=2, callbacks=[timer], verbose=0)
+        .history
+    )
     assert {"epoch_time", "steps_per_sec", "samples_per_sec"} <= set(history)
     assert "val_time" not in history
     assert [r["samples"] for r in timer.records] == [50.0, 50.0]
@@ -29,9 +32,19 @@ def test_works_on_a_stock_model_and_counts_the_last_partial_batch():
 
 def test_validation_is_excluded_from_epoch_time_and_timed_apart():
     timer = mp.EpochTimer(time_validation=True)
-    history = _stock_model().fit(np.ones((64, 8)), np.zeros((64, 1)), batch_size=16, epochs=2,
-                                 validation_data=(np.ones((4096, 8)), np.zeros((4096, 1))),
-                                 callbacks=[timer], verbose=0).history
+    history = (
+        _stock_model()
+        .fit(
+            np.ones((64, 8)),
+            np.zeros((64, 1)),
+            batch_size=16,
+            epochs=2,
+            validation_data=(np.ones((4096, 8)), np.zeros((4096, 1))),
+            callbacks=[timer],
+            verbose=0,
+        )
+        .history
+    )
     assert len(history["val_time"]) == 2
     for record in timer.records:
         assert record["val_time"] > 0 and record["samples"] == 64.0
@@ -50,13 +63,14 @@ def test_batch_size_argument_when_the_model_has_no_loss_tracker():
     assert timer.records[0]["samples"] == 64.0
 
     untold = mp.EpochTimer()
-    history = model.fit(np.ones((64, 8)), np.zeros((64, 1)), batch_size=16, epochs=1,
-                        callbacks=[untold], verbose=0).history
+    history = model.fit(
+        np.ones((64, 8)), np.zeros((64, 1)), batch_size=16, epochs=1, callbacks=[untold], verbose=0
+    ).history
     assert "samples_per_sec" not in history and "epoch_time" in history
 
 
 def test_bad_batch_size_is_named():
-    with pytest.raises(ValueError, match="`batch_size`.*batch_size=0"):
+    with pytest.raises(ValueError, match=r"`batch_size`.*batch_size=0"):
         mp.EpochTimer(batch_size=0)
 
 
@@ -80,8 +94,13 @@ def _compiled_model_with_sample_count(count):
 
 def test_a_fresh_timer_summarises_nothing():
     assert mp.EpochTimer().summary() == {
-        "epochs": 0, "total_time": 0.0, "first_epoch_time": None, "median_epoch_time": None,
-        "median_steps_per_sec": None, "median_samples_per_sec": None}
+        "epochs": 0,
+        "total_time": 0.0,
+        "first_epoch_time": None,
+        "median_epoch_time": None,
+        "median_steps_per_sec": None,
+        "median_samples_per_sec": None,
+    }
 
 
 def test_hooks_give_exact_records_logs_and_summary():
@@ -90,8 +109,26 @@ def test_hooks_give_exact_records_logs_and_summary():
     # train begins at 5; epoch 1: 10 -> 16 training (its batches end at 12,
     # 14, 16), 16 -> 19 validation; epoch 2: 20 -> 22, no validation; epoch
     # 3: 30 -> 34, 34 -> 35; end at 40. Training ends at its last batch.
-    timer._clock = _Clock(5.0, 10.0, 12.0, 14.0, 16.0, 16.0, 19.0, 20.0, 21.0, 21.5, 22.0,
-                          30.0, 32.0, 33.0, 34.0, 34.0, 35.0, 40.0)
+    timer._clock = _Clock(
+        5.0,
+        10.0,
+        12.0,
+        14.0,
+        16.0,
+        16.0,
+        19.0,
+        20.0,
+        21.0,
+        21.5,
+        22.0,
+        30.0,
+        32.0,
+        33.0,
+        34.0,
+        34.0,
+        35.0,
+        40.0,
+    )
     timer.on_train_begin()
     logs_per_epoch = []
     for epoch, validate in enumerate((True, False, True)):
@@ -111,12 +148,24 @@ def test_hooks_give_exact_records_logs_and_summary():
         {"epoch_time": 4.0, "steps_per_sec": 0.75, "samples_per_sec": 12.0, "val_time": 1.0},
     ]
     assert timer.records[1] == {
-        "epoch": 1, "epoch_time": 2.0, "steps": 3, "samples": 48.0, "steps_per_sec": 1.5,
-        "samples_per_sec": 24.0, "val_time": None, "warm": True}
+        "epoch": 1,
+        "epoch_time": 2.0,
+        "steps": 3,
+        "samples": 48.0,
+        "steps_per_sec": 1.5,
+        "samples_per_sec": 24.0,
+        "val_time": None,
+        "warm": True,
+    }
     assert [r["warm"] for r in timer.records] == [False, True, True]
     assert timer.summary() == {
-        "epochs": 3, "total_time": 35.0, "first_epoch_time": 6.0,
-        "median_epoch_time": 3.0, "median_steps_per_sec": 1.125, "median_samples_per_sec": 18.0}
+        "epochs": 3,
+        "total_time": 35.0,
+        "first_epoch_time": 6.0,
+        "median_epoch_time": 3.0,
+        "median_steps_per_sec": 1.125,
+        "median_samples_per_sec": 18.0,
+    }
 
 
 def test_validation_time_is_logged_only_when_asked_and_evaluate_outside_fit_is_ignored():
@@ -173,8 +222,7 @@ def test_a_model_whose_samples_cannot_be_counted_is_told_once(caplog):
             timer.on_epoch_end(epoch, {})
         timer.on_train_end()
     told = [r.getMessage() for r in caplog.records if "cannot count samples" in r.getMessage()]
-    assert told == ["EpochTimer: cannot count samples for 'custom'; pass batch_size= to get "
-                    "samples_per_sec."]
+    assert told == ["EpochTimer: cannot count samples for 'custom'; pass batch_size= to get samples_per_sec."]
     assert [r["samples_per_sec"] for r in timer.records] == [None, None]
     assert timer.summary()["median_samples_per_sec"] is None
     assert timer.summary()["median_steps_per_sec"] == 0.5  # the warm epoch: 1 step in 2 s

@@ -14,8 +14,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _run(script, *args, tmp_path):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_HOME=str(tmp_path))  # no cached MNIST
-    completed = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *args],
-                               capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
+    completed = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", script), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=str(tmp_path),
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     return completed.stdout + completed.stderr
 
@@ -31,8 +37,18 @@ def test_mnist_example_reproduces_the_seed_offline(tmp_path):
 
 def test_mnist_example_under_mixed_float16_uses_dynamic_scaling(tmp_path):
     # Emulated float16 is slow on CPU: a few hundred samples, one epoch.
-    output = _run("mnist_mixed_precision.py", "--policy", "mixed_float16", "--epochs", "1",
-                  "--train-samples", "256", "--batch-size", "128", tmp_path=tmp_path)
+    output = _run(
+        "mnist_mixed_precision.py",
+        "--policy",
+        "mixed_float16",
+        "--epochs",
+        "1",
+        "--train-samples",
+        "256",
+        "--batch-size",
+        "128",
+        tmp_path=tmp_path,
+    )
     assert "policy: mixed_float16" in output
     assert re.search(r"loss scale (\d+)", output).group(1) == "32768"
 
@@ -49,10 +65,15 @@ def test_custom_training_loop_example(tmp_path):
 
 @pytest.mark.slow
 def test_tuner_search_example(tmp_path):
-    output = _run("tuner_search.py", "--max-trials", "2", "--epochs", "1", "--train-samples", "1000",
-                  tmp_path=tmp_path)
-    rows = re.findall(r"^(float32|mixed_\w+)\s+units \d+\s+lr \S+\s+val_accuracy ([\d.]+)  "
-                      r"epoch_time ([\d.]+) s$", output, flags=re.M)
+    output = _run(
+        "tuner_search.py", "--max-trials", "2", "--epochs", "1", "--train-samples", "1000", tmp_path=tmp_path
+    )
+    rows = re.findall(
+        r"^(float32|mixed_\w+)\s+units \d+\s+lr \S+\s+val_accuracy ([\d.]+)  "
+        r"epoch_time ([\d.]+) s$",
+        output,
+        flags=re.M,
+    )
     assert len(rows) == 2
     accuracies = [float(accuracy) for _, accuracy, _ in rows]
     assert accuracies == sorted(accuracies, reverse=True)  # ranked by the one objective
@@ -78,8 +99,18 @@ def test_find_the_overflow_example_names_the_layer_and_trains_after_the_fix(tmp_
 
 
 def test_custom_train_step_example_skips_the_poisoned_step_and_keeps_the_weights(tmp_path):
-    output = _run("custom_train_step.py", "--epochs", "2", "--samples", "256", "--batch-size", "32",
-                  "--poison-step", "3", tmp_path=tmp_path)
+    output = _run(
+        "custom_train_step.py",
+        "--epochs",
+        "2",
+        "--samples",
+        "256",
+        "--batch-size",
+        "32",
+        "--poison-step",
+        "3",
+        tmp_path=tmp_path,
+    )
     assert "policy: mixed_float16; loss scale " in output
     skipped = re.search(r"skipped steps per epoch: \[(.*)\]", output).group(1)
     assert [float(s) for s in skipped.split(",")] == [1.0, 1.0]
@@ -89,13 +120,27 @@ def test_custom_train_step_example_skips_the_poisoned_step_and_keeps_the_weights
 
 def test_autotune_example_pins_each_policys_trap_and_only_it(tmp_path):
     plan_path = tmp_path / "plan.json"
-    output = _run("autotune.py", "--policies", "mixed_float16", "mixed_bfloat16", "--samples", "1024",
-                  "--steps", "20", "--json", str(plan_path), tmp_path=tmp_path)
+    output = _run(
+        "autotune.py",
+        "--policies",
+        "mixed_float16",
+        "mixed_bfloat16",
+        "--samples",
+        "1024",
+        "--steps",
+        "20",
+        "--json",
+        str(plan_path),
+        tmp_path=tmp_path,
+    )
     import mp_callbacks as mp
 
     plan = mp.PrecisionPlan.from_json(plan_path.read_text())
     pinned = {c["policy"]: c["float32_layers"] for c in plan.candidates}
-    assert pinned == {"float32": [], "mixed_float16": ["naive_softmax", "variance"],
-                      "mixed_bfloat16": ["variance"]}
+    assert pinned == {
+        "float32": [],
+        "mixed_float16": ["naive_softmax", "variance"],
+        "mixed_bfloat16": ["variance"],
+    }
     assert plan.policy in ("mixed_float16", "mixed_bfloat16")  # listed: one of them, whatever the speed
     assert "to use it:" in output and "mp.with_float32_layers(model" in output

@@ -64,8 +64,15 @@ def _state(model, optimizer) -> list[bytes]:
     return [v.numpy().tobytes() for v in model.trainable_variables + optimizer.variables]
 
 
-def _run(make_optimizer, sparse: bool, how: str, steps: int = 2, forward_done: bool = False,
-         table_dtype: str = "float32", restore_on_skip: bool = False):
+def _run(
+    make_optimizer,
+    sparse: bool,
+    how: str,
+    steps: int = 2,
+    forward_done: bool = False,
+    table_dtype: str = "float32",
+    restore_on_skip: bool = False,
+):
     """Trains `steps` steps; how: 'stock', 'gated-apply', 'gated-skip'.
     With `forward_done`, the loss's finiteness is passed to `gated_apply`,
     as `LossScaler.apply_gradients` does: sparse increments are then
@@ -94,13 +101,21 @@ def _run(make_optimizer, sparse: bool, how: str, steps: int = 2, forward_done: b
             return
         if how == "gated-skip":
             # A skipped step's gradients are typically not finite.
-            grads = [tf.IndexedSlices(g.values * np.nan, g.indices, g.dense_shape)
-                     if isinstance(g, tf.IndexedSlices) else g * np.nan for g in grads]
-        gated.append(gated_apply(
-            optimizer, lambda: optimizer.apply(grads, model.trainable_variables), predicate,
-            forward_done=tf.math.is_finite(loss) if forward_done else None,
-            restore_on_skip=[(statistic, tf.constant(0.0))] if restore_on_skip else (),
-        ))
+            grads = [
+                tf.IndexedSlices(g.values * np.nan, g.indices, g.dense_shape)
+                if isinstance(g, tf.IndexedSlices)
+                else g * np.nan
+                for g in grads
+            ]
+        gated.append(
+            gated_apply(
+                optimizer,
+                lambda: optimizer.apply(grads, model.trainable_variables),
+                predicate,
+                forward_done=tf.math.is_finite(loss) if forward_done else None,
+                restore_on_skip=[(statistic, tf.constant(0.0))] if restore_on_skip else (),
+            )
+        )
 
     before = _state(model, optimizer)
     for _ in range(steps):
@@ -115,13 +130,19 @@ def _run(make_optimizer, sparse: bool, how: str, steps: int = 2, forward_done: b
 def _assert_gated_exactly(make_optimizer, sparse: bool, forward_done: bool = False, **options):
     """Gated and applied equals `optimizer.apply` bit for bit; gated and
     skipped leaves every variable as it was. Returns (before, stock)."""
-    _, stock, _ = _run(make_optimizer, sparse=sparse, how="stock", table_dtype=options.get("table_dtype", "float32"))
-    _, applied, gated = _run(make_optimizer, sparse=sparse, how="gated-apply", forward_done=forward_done, **options)
+    _, stock, _ = _run(
+        make_optimizer, sparse=sparse, how="stock", table_dtype=options.get("table_dtype", "float32")
+    )
+    _, applied, gated = _run(
+        make_optimizer, sparse=sparse, how="gated-apply", forward_done=forward_done, **options
+    )
     assert gated
-    assert applied[:len(stock)] == stock
+    assert applied[: len(stock)] == stock
     if options.get("restore_on_skip"):
-        assert applied[len(stock):] == [1.0], "the forward pass's state is put back on a skip only"
-    before, skipped, _ = _run(make_optimizer, sparse=sparse, how="gated-skip", forward_done=forward_done, **options)
+        assert applied[len(stock) :] == [1.0], "the forward pass's state is put back on a skip only"
+    before, skipped, _ = _run(
+        make_optimizer, sparse=sparse, how="gated-skip", forward_done=forward_done, **options
+    )
     assert skipped == before
     return before, stock
 
@@ -154,8 +175,9 @@ class AddingSGD(keras.optimizers.SGD):
     def update_step(self, gradient, variable, learning_rate):
         lr = tf.cast(learning_rate, variable.dtype)
         if isinstance(gradient, tf.IndexedSlices):
-            self.assign_add(variable, tf.IndexedSlices(
-                -gradient.values * lr, gradient.indices, gradient.dense_shape))
+            self.assign_add(
+                variable, tf.IndexedSlices(-gradient.values * lr, gradient.indices, gradient.dense_shape)
+            )
         else:
             self.assign_add(variable, -gradient * lr)
 
@@ -193,8 +215,9 @@ class TwiceSGD(keras.optimizers.SGD):
         super().update_step(gradient, variable, learning_rate)
         if isinstance(gradient, tf.IndexedSlices):
             lr = tf.cast(learning_rate, variable.dtype)
-            self.assign_add(variable, tf.IndexedSlices(
-                gradient.values * lr * 0.5, gradient.indices, gradient.dense_shape))
+            self.assign_add(
+                variable, tf.IndexedSlices(gradient.values * lr * 0.5, gradient.indices, gradient.dense_shape)
+            )
 
 
 @pytest.mark.parametrize("make", [lambda: AddingSGD(0.1), lambda: TwiceSGD(0.1)], ids=["once", "twice"])
@@ -209,15 +232,28 @@ def test_sparse_increments_written_at_once_are_put_back_exactly(make):
 def test_a_float64_table_and_restore_on_skip_share_the_put_back(forward_done):
     # The table's own dtype for the gated zeros; the forward pass's state is
     # put back in the same branch as the table's rows, and only on a skip.
-    _assert_gated_exactly(lambda: keras.optimizers.SGD(0.1), sparse=True, forward_done=forward_done,
-                          table_dtype="float64", restore_on_skip=True)
+    _assert_gated_exactly(
+        lambda: keras.optimizers.SGD(0.1),
+        sparse=True,
+        forward_done=forward_done,
+        table_dtype="float64",
+        restore_on_skip=True,
+    )
 
 
-@pytest.mark.parametrize("forward_done", [None, True, False], ids=["no loss", "finite loss", "nonfinite loss"])
+@pytest.mark.parametrize(
+    "forward_done", [None, True, False], ids=["no loss", "finite loss", "nonfinite loss"]
+)
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
-@pytest.mark.parametrize("make", [lambda: AddingSGD(0.1), lambda: keras.optimizers.SGD(0.1),
-                                  lambda: keras.optimizers.SGD(0.1, momentum=0.5)],
-                         ids=["assign_add", "assign_sub", "momentum"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: AddingSGD(0.1),
+        lambda: keras.optimizers.SGD(0.1),
+        lambda: keras.optimizers.SGD(0.1, momentum=0.5),
+    ],
+    ids=["assign_add", "assign_sub", "momentum"],
+)
 def test_skipped_updates_keep_negative_zero(make, sparse, forward_done, increments):
     # A skipped increment is + (-0.0) or - (+0.0), a skipped overwrite picks
     # the old value: anything else turns -0.0 into +0.0.
@@ -234,8 +270,12 @@ def test_skipped_updates_keep_negative_zero(make, sparse, forward_done, incremen
             loss = tf.reduce_mean((model(x) - y) ** 2)
         grads = tape.gradient(loss, model.trainable_variables)
         assert isinstance(grads[0], tf.IndexedSlices) == sparse
-        return gated_apply(optimizer, lambda: optimizer.apply(grads, model.trainable_variables),
-                           predicate, forward_done=None if forward_done is None else tf.constant(forward_done))
+        return gated_apply(
+            optimizer,
+            lambda: optimizer.apply(grads, model.trainable_variables),
+            predicate,
+            forward_done=None if forward_done is None else tf.constant(forward_done),
+        )
 
     assert step(tf.constant(False))
     for variable in model.trainable_variables:
@@ -255,8 +295,10 @@ class SparseOverwriteSGD(keras.optimizers.SGD):
 
     def update_step(self, gradient, variable, learning_rate):
         rows = tf.gather(variable, gradient.indices)
-        self.assign(variable, tf.IndexedSlices(
-            rows - gradient.values * learning_rate, gradient.indices, gradient.dense_shape))
+        self.assign(
+            variable,
+            tf.IndexedSlices(rows - gradient.values * learning_rate, gradient.indices, gradient.dense_shape),
+        )
 
 
 class OffsetAddSGD(AddingSGD):
@@ -284,17 +326,21 @@ def _graph_size_after(make_optimizer, constraint=None, sparse=False):
         graph = tf.compat.v1.get_default_graph()
         before = len(graph.get_operations())
         result["gated"] = gated_apply(
-            optimizer, lambda: optimizer.apply(grads, model.trainable_variables), tf.constant(True))
+            optimizer, lambda: optimizer.apply(grads, model.trainable_variables), tf.constant(True)
+        )
         # Tracing may capture a variable or a constant into the step; no
         # op that computes or writes may be left behind.
-        result["added"] = [op.type for op in graph.get_operations()[before:] if op.type not in ("Placeholder", "Const")]
+        result["added"] = [
+            op.type for op in graph.get_operations()[before:] if op.type not in ("Placeholder", "Const")
+        ]
 
     step.get_concrete_function()
     return result
 
 
-@pytest.mark.parametrize("case", ["direct write", "overridden write", "constraint", "ema", "sparse divide",
-                                  "sparse overwrite"])
+@pytest.mark.parametrize(
+    "case", ["direct write", "overridden write", "constraint", "ema", "sparse divide", "sparse overwrite"]
+)
 def test_updates_that_cannot_be_gated_are_refused_and_add_nothing(case):
     make, constraint, sparse = {
         "direct write": (lambda: DirectWriteSGD(0.1), None, False),
@@ -335,8 +381,12 @@ def _trace_gated_step(model, optimizer, sparse: bool, inspect, forward_done: boo
         grads = tape.gradient(loss, model.trainable_variables)
         graph = tf.compat.v1.get_default_graph()
         before = len(graph.get_operations())
-        assert gated_apply(optimizer, lambda: optimizer.apply(grads, model.trainable_variables), predicate,
-                           forward_done=tf.math.is_finite(loss) if forward_done else None)
+        assert gated_apply(
+            optimizer,
+            lambda: optimizer.apply(grads, model.trainable_variables),
+            predicate,
+            forward_done=tf.math.is_finite(loss) if forward_done else None,
+        )
         inspect(graph.get_operations()[before:], predicate, loss)
 
     step.get_concrete_function(tf.TensorSpec([], tf.bool))
@@ -348,8 +398,11 @@ def _write_ops() -> dict[str, int]:
 
     def count(ops, predicate, loss):
         types = [op.type for op in ops]
-        writes.update(subtract=types.count("AssignSubVariableOp"), assign=types.count("AssignVariableOp"),
-                      variables=len(model.trainable_variables))
+        writes.update(
+            subtract=types.count("AssignSubVariableOp"),
+            assign=types.count("AssignVariableOp"),
+            variables=len(model.trainable_variables),
+        )
 
     _trace_gated_step(model, keras.optimizers.SGD(0.1), False, count)
     return writes
@@ -403,11 +456,14 @@ def test_every_write_takes_the_decision_or_the_loss_as_data(sparse, forward_done
         counter = _gated_update._tf_variable(optimizer.iterations).value().op.inputs[0].name
         writes = [op for op in ops if op.type.startswith(("Assign", "ResourceScatter"))]
         found["counter"] = [waits(op, predicate) for op in writes if op.inputs[0].name == counter]
-        found["others"] = [(waits(op, predicate), waits(op, loss)) for op in writes if op.inputs[0].name != counter]
+        found["others"] = [
+            (waits(op, predicate), waits(op, loss)) for op in writes if op.inputs[0].name != counter
+        ]
         conds = [op for op in ops if op.type in ("If", "StatelessIf")]
         found["put back"] = sorted({t.name for op in conds for t in op.inputs if t.dtype == tf.resource})
-        found["early"] = sorted({op.inputs[0].name for op in writes
-                                 if op.inputs[0].name != counter and not waits(op, predicate)})
+        found["early"] = sorted(
+            {op.inputs[0].name for op in writes if op.inputs[0].name != counter and not waits(op, predicate)}
+        )
 
     _trace_gated_step(model, optimizer, sparse, classify, forward_done=forward_done)
     momentum = 0 if sparse else len(model.trainable_variables)

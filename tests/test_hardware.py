@@ -34,10 +34,12 @@ def _report(cpu=XEON_NO_BF16, gpus=(), speed=None):
 # ------------------------------------------------------ rules (no probe)
 @pytest.mark.parametrize(
     "capability, policy, fast",
-    [((8, 0), "mixed_bfloat16", ["mixed_float16", "mixed_bfloat16"]),
-     ((7, 5), "mixed_float16", ["mixed_float16"]),
-     ((7, 0), "mixed_float16", ["mixed_float16"]),
-     ((6, 1), "float32", [])],
+    [
+        ((8, 0), "mixed_bfloat16", ["mixed_float16", "mixed_bfloat16"]),
+        ((7, 5), "mixed_float16", ["mixed_float16"]),
+        ((7, 0), "mixed_float16", ["mixed_float16"]),
+        ((6, 1), "float32", []),
+    ],
 )
 def test_gpu_generations(capability, policy, fast):
     report = _report(gpus=[GPUInfo("gpu", capability)])
@@ -62,10 +64,12 @@ def test_gpu_warnings():
 
 @pytest.mark.parametrize(
     "cpu, policy, fast",
-    [(EPYC_BF16, "mixed_bfloat16", ["mixed_bfloat16"]),
-     (XEON_NO_BF16, "float32", []),
-     (GRAVITON3, "mixed_bfloat16", ["mixed_float16", "mixed_bfloat16"]),
-     (UNKNOWN_CPU, "float32", [])],
+    [
+        (EPYC_BF16, "mixed_bfloat16", ["mixed_bfloat16"]),
+        (XEON_NO_BF16, "float32", []),
+        (GRAVITON3, "mixed_bfloat16", ["mixed_float16", "mixed_bfloat16"]),
+        (UNKNOWN_CPU, "float32", []),
+    ],
 )
 def test_cpu_rules_without_measurement(cpu, policy, fast):
     report = _report(cpu=cpu)
@@ -82,7 +86,8 @@ def test_native_bfloat16_that_measures_fast_is_recommended():
     assert "1.62x" in report.reason and "avx512_bf16" in report.reason
     assert report.warnings == ["mixed_float16 is slower than float32 here: measured 0.24x of its speed."]
     assert report.slow_policies() == {
-        "mixed_float16": "measured 0.24x of float32's speed in the probe on given"}
+        "mixed_float16": "measured 0.24x of float32's speed in the probe on given"
+    }
 
 
 def test_cpu_without_bfloat16_is_told_float32_with_the_measured_figures():
@@ -112,8 +117,10 @@ def test_speed_just_below_the_threshold_is_not_a_gain():
     just_below = MIN_SPEEDUP - 0.01
     report = _report(EPYC_BF16, speed={"float32": 1.0, "mixed_bfloat16": just_below})
     assert report.recommended_policy == "float32"
-    assert _report(EPYC_BF16, speed={"float32": 1.0, "mixed_bfloat16": MIN_SPEEDUP}
-                   ).recommended_policy == "mixed_bfloat16"
+    assert (
+        _report(EPYC_BF16, speed={"float32": 1.0, "mixed_bfloat16": MIN_SPEEDUP}).recommended_policy
+        == "mixed_bfloat16"
+    )
 
 
 def test_gpu_prefers_bfloat16_when_nearly_as_fast_as_float16():
@@ -125,23 +132,30 @@ def test_gpu_prefers_bfloat16_when_nearly_as_fast_as_float16():
 
 
 def test_an_emulated_policy_is_pathological_and_marked_as_a_bound():
-    speed = PolicySpeed({"float32": 1.0, "mixed_float16": 0.004, "mixed_bfloat16": 2.5},
-                        seconds=3.0, device="CPU:0", bounded=["mixed_float16"])
+    speed = PolicySpeed(
+        {"float32": 1.0, "mixed_float16": 0.004, "mixed_bfloat16": 2.5},
+        seconds=3.0,
+        device="CPU:0",
+        bounded=["mixed_float16"],
+    )
     report = _report(EPYC_BF16, speed=speed)
     assert report.slow_policies() == {
-        "mixed_float16": "measured at most 0.004x of float32's speed in the probe on CPU:0"}
+        "mixed_float16": "measured at most 0.004x of float32's speed in the probe on CPU:0"
+    }
     assert PATHOLOGICAL_SPEED > 0.004
     text = report.format_text()
     assert "mixed_float16 at most 0.004x" in text and "(probe, 3.0 s)" in text
 
 
 def test_doctor_text_is_the_reports_own():
-    text = _report(XEON_NO_BF16, speed={"float32": 1.0, "mixed_float16": 0.56, "mixed_bfloat16": 0.35}
-                   ).format_text()
+    text = _report(
+        XEON_NO_BF16, speed={"float32": 1.0, "mixed_float16": 0.56, "mixed_bfloat16": 0.35}
+    ).format_text()
     lines = text.splitlines()
     assert lines[2] == "GPU: none"
-    assert lines[3] == ("CPU: Intel(R) Xeon(R) Platinum 8259CL CPU @ 2.50GHz (x86_64); "
-                        "native bfloat16 no, native float16 no")
+    assert lines[3] == (
+        "CPU: Intel(R) Xeon(R) Platinum 8259CL CPU @ 2.50GHz (x86_64); native bfloat16 no, native float16 no"
+    )
     assert lines[4] == "Expected from the hardware: no mixed policy faster than float32"
     assert "float32 1.00x, mixed_float16 0.56x, mixed_bfloat16 0.35x" in lines[5]
     assert lines[6] == "Recommended policy: float32"

@@ -8,9 +8,9 @@ import warnings
 import keras
 import numpy as np
 import pytest
+from keras_io_models import Sampling, gan, vae
 
 import mp_callbacks as mp
-from keras_io_models import Sampling, gan, vae
 
 
 def _sampling_model():
@@ -29,8 +29,9 @@ def _sampling_model():
 
 def _run(build, data, monitor=None):
     model = build()
-    history = model.fit(*data, batch_size=8, epochs=2, shuffle=False, verbose=0,
-                        callbacks=[monitor] if monitor else []).history
+    history = model.fit(
+        *data, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[monitor] if monitor else []
+    ).history
     return [history[k] for k in sorted(history) if not k.startswith("headroom")], model.get_weights()
 
 
@@ -67,9 +68,14 @@ def test_a_model_without_call_is_said_once_and_fit_goes_on():
     monitor = mp.HeadroomMonitor(probe=np.ones((2, 3), "float32"), every_n_steps=1, target="generator")
     history = model.fit(data, batch_size=8, epochs=1, verbose=0, callbacks=[monitor]).history
     assert any(k.startswith("headroom/") for k in history) and len(monitor.history) == 2
-    with pytest.raises(ValueError, match="target.*'discriminator', 'generator'"):
-        model.fit(data, batch_size=8, epochs=1, verbose=0,
-                  callbacks=[mp.HeadroomMonitor(probe=data[:2], target="decoder")])
+    with pytest.raises(ValueError, match=r"target.*'discriminator', 'generator'"):
+        model.fit(
+            data,
+            batch_size=8,
+            epochs=1,
+            verbose=0,
+            callbacks=[mp.HeadroomMonitor(probe=data[:2], target="decoder")],
+        )
 
 
 def test_nan_weights_are_not_called_an_overflow():
@@ -106,10 +112,16 @@ def test_only_layers_with_float16s_range_are_logged_unless_chosen(policy):
     model = keras.Model(inputs, keras.layers.Dense(1, name="head", dtype="float32")(hidden))
     model.compile("sgd", "mse")
     x, y = np.ones((16, 4), "float32"), np.zeros((16, 1), "float32")
-    history = model.fit(x, y, batch_size=8, verbose=0,
-                        callbacks=[mp.HeadroomMonitor(probe=x[:2], every_n_steps=1)]).history
+    history = model.fit(
+        x, y, batch_size=8, verbose=0, callbacks=[mp.HeadroomMonitor(probe=x[:2], every_n_steps=1)]
+    ).history
     assert not [k for k in history if k.startswith("headroom/")]
-    history = model.fit(x, y, batch_size=8, verbose=0, callbacks=[
-        mp.HeadroomMonitor(probe=x[:2], every_n_steps=1, layers=["hidden"])]).history
+    history = model.fit(
+        x,
+        y,
+        batch_size=8,
+        verbose=0,
+        callbacks=[mp.HeadroomMonitor(probe=x[:2], every_n_steps=1, layers=["hidden"])],
+    ).history
     assert [k for k in history if k.startswith("headroom/")] == ["headroom/hidden"]
     assert 0 < history["headroom/hidden"][0] < 1e-30  # the share of 3.4e38 it uses

@@ -41,9 +41,7 @@ class ReferenceLossScale:
         if finite:
             self.good_steps += 1
             if self.good_steps >= self.growth_interval:
-                self.scale = min(
-                    self.scale * np.float32(self.growth_factor), np.float32(self.max_scale)
-                )
+                self.scale = min(self.scale * np.float32(self.growth_factor), np.float32(self.max_scale))
                 self.good_steps = 0
                 self.hysteresis_left = self.hysteresis
         else:
@@ -51,9 +49,7 @@ class ReferenceLossScale:
             self.good_steps = 0
             self.hysteresis_left = max(self.hysteresis_left - 1, 0)
             if self.hysteresis_left <= 0:
-                self.scale = max(
-                    self.scale * np.float32(self.backoff_factor), np.float32(self.min_scale)
-                )
+                self.scale = max(self.scale * np.float32(self.backoff_factor), np.float32(self.min_scale))
 
 
 @st.composite
@@ -61,15 +57,15 @@ def configs(draw):
     low = draw(st.integers(0, 10))
     high = draw(st.integers(low, 24))
     start = draw(st.integers(low, high))
-    return dict(
-        initial_scale=2.0**start,
-        min_scale=2.0**low,
-        max_scale=2.0**high,
-        growth_interval=draw(st.integers(1, 5)),
-        growth_factor=draw(st.sampled_from([1.5, 2.0, 3.0, 4.0])),
-        backoff_factor=draw(st.sampled_from([0.25, 0.5, 0.75])),
-        hysteresis=draw(st.integers(1, 4)),
-    )
+    return {
+        "initial_scale": 2.0**start,
+        "min_scale": 2.0**low,
+        "max_scale": 2.0**high,
+        "growth_interval": draw(st.integers(1, 5)),
+        "growth_factor": draw(st.sampled_from([1.5, 2.0, 3.0, 4.0])),
+        "backoff_factor": draw(st.sampled_from([0.25, 0.5, 0.75])),
+        "hysteresis": draw(st.integers(1, 4)),
+    }
 
 
 def _step(loss_scale, optimizer, variable, finite: bool, loss_finite: bool = True):
@@ -167,7 +163,9 @@ def test_fixed_and_disabled_scales_still_skip_nonfinite_steps():
     exponent=st.integers(0, 24),
     values=st.lists(
         # TensorFlow flushes float32 subnormals to zero on CPU.
-        st.floats(-1e3, 1e3, allow_nan=False, allow_subnormal=False, width=32), min_size=1, max_size=8
+        st.floats(-1e3, 1e3, allow_nan=False, allow_subnormal=False, width=32),
+        min_size=1,
+        max_size=8,
     ),
 )
 def test_unscale_inverts_scale_for_powers_of_two(exponent, values):
@@ -211,8 +209,9 @@ def test_check_gradients_norm_and_flags_over_dense_sparse_float16_and_missing_gr
     global_norm (a repeated row counts twice, never scattered to dense), and
     float16 gradients are squared in float32: 300**2 overflows float16."""
     loss_scale = LossScaler()
-    repeated_row = tf.IndexedSlices(tf.constant([[1.0, 2.0], [1.0, 2.0]]), tf.constant([1, 1]),
-                                    tf.constant([3, 2]))
+    repeated_row = tf.IndexedSlices(
+        tf.constant([[1.0, 2.0], [1.0, 2.0]]), tf.constant([1, 1]), tf.constant([3, 2])
+    )
     grads = [tf.constant([3.0, 4.0]), repeated_row, tf.constant([300.0], tf.float16), None]
     checked = loss_scale.check_gradients(grads)
     assert checked.flags.numpy().tolist() == [0, 0, 0, 0]
@@ -297,7 +296,8 @@ def test_restore_on_skip_is_assigned_on_a_skipped_step_only(traced):
     def step(grad):
         statistic.assign([9.0])
         return loss_scale.apply_gradients(
-            optimizer, [grad], [weight], restore_on_skip=[(statistic, tf.constant([7.0]))])
+            optimizer, [grad], [weight], restore_on_skip=[(statistic, tf.constant([7.0]))]
+        )
 
     step = tf.function(step) if traced else step
     assert not bool(step(tf.constant([math.nan])))
@@ -380,20 +380,20 @@ def test_works_inside_tf_function():
 @pytest.mark.parametrize(
     "kwargs, argument",
     [
-        (dict(initial_scale=0.0), "initial_scale"),
-        (dict(initial_scale=-1.0), "initial_scale"),
-        (dict(initial_scale=math.inf), "initial_scale"),
-        (dict(initial_scale=math.nan), "initial_scale"),
-        (dict(growth_interval=0), "growth_interval"),
-        (dict(growth_interval=1.5), "growth_interval"),
-        (dict(growth_factor=1.0), "growth_factor"),
-        (dict(backoff_factor=1.0), "backoff_factor"),
-        (dict(backoff_factor=0.0), "backoff_factor"),
-        (dict(min_scale=4.0, max_scale=2.0, initial_scale=3.0), "min_scale"),
-        (dict(min_scale=0.0), "min_scale"),
-        (dict(hysteresis=0), "hysteresis"),
-        (dict(initial_scale=2.0**30), "initial_scale"),
-        (dict(initial_scale=0.5), "initial_scale"),
+        ({"initial_scale": 0.0}, "initial_scale"),
+        ({"initial_scale": -1.0}, "initial_scale"),
+        ({"initial_scale": math.inf}, "initial_scale"),
+        ({"initial_scale": math.nan}, "initial_scale"),
+        ({"growth_interval": 0}, "growth_interval"),
+        ({"growth_interval": 1.5}, "growth_interval"),
+        ({"growth_factor": 1.0}, "growth_factor"),
+        ({"backoff_factor": 1.0}, "backoff_factor"),
+        ({"backoff_factor": 0.0}, "backoff_factor"),
+        ({"min_scale": 4.0, "max_scale": 2.0, "initial_scale": 3.0}, "min_scale"),
+        ({"min_scale": 0.0}, "min_scale"),
+        ({"hysteresis": 0}, "hysteresis"),
+        ({"initial_scale": 2.0**30}, "initial_scale"),
+        ({"initial_scale": 0.5}, "initial_scale"),
     ],
 )
 def test_bad_config_names_argument_and_value(kwargs, argument):
@@ -406,8 +406,13 @@ def test_bad_config_names_argument_and_value(kwargs, argument):
 
 def test_config_round_trip_and_keras_serialization():
     original = LossScaler(
-        initial_scale=256.0, growth_interval=7, growth_factor=3.0,
-        backoff_factor=0.25, min_scale=2.0, max_scale=2.0**20, hysteresis=2,
+        initial_scale=256.0,
+        growth_interval=7,
+        growth_factor=3.0,
+        backoff_factor=0.25,
+        min_scale=2.0,
+        max_scale=2.0**20,
+        hysteresis=2,
     )
     clone = LossScaler.from_config(original.get_config())
     assert clone.get_config() == original.get_config()
@@ -421,9 +426,12 @@ def test_a_config_saved_under_the_old_name_loads_and_the_old_name_warns():
 
     import mp_callbacks
 
-    saved = {"module": "mp_callbacks.loss_scale", "class_name": "DynamicLossScale",
-             "config": {"initial_scale": 64.0, "growth_interval": 3},
-             "registered_name": "mp_callbacks>DynamicLossScale"}
+    saved = {
+        "module": "mp_callbacks.loss_scale",
+        "class_name": "DynamicLossScale",
+        "config": {"initial_scale": 64.0, "growth_interval": 3},
+        "registered_name": "mp_callbacks>DynamicLossScale",
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # loading an old file is not deprecated
         revived = keras.saving.deserialize_keras_object(saved)

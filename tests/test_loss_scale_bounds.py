@@ -21,16 +21,19 @@ def _step(loss_scale, finite=True, optimizer=None, variable=None):
     return bool(loss_scale.apply_gradients(optimizer, [grad], [variable]))
 
 
-@pytest.mark.parametrize("kwargs, argument", [
-    ({"initial_scale": 1e39, "max_scale": 1e39}, "initial_scale"),
-    ({"initial_scale": 2.0**-130, "min_scale": 2.0**-130}, "initial_scale"),
-    ({"initial_scale": 1e-50, "min_scale": 1e-50}, "initial_scale"),
-    ({"max_scale": 2.0**128}, "max_scale"),
-    ({"growth_interval": 2**63}, "growth_interval"),
-    ({"hysteresis": 2**63}, "hysteresis"),
-    ({"growth_factor": 1e39}, "growth_factor"),
-    ({"backoff_factor": 1e-50}, "backoff_factor"),
-])
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [
+        ({"initial_scale": 1e39, "max_scale": 1e39}, "initial_scale"),
+        ({"initial_scale": 2.0**-130, "min_scale": 2.0**-130}, "initial_scale"),
+        ({"initial_scale": 1e-50, "min_scale": 1e-50}, "initial_scale"),
+        ({"max_scale": 2.0**128}, "max_scale"),
+        ({"growth_interval": 2**63}, "growth_interval"),
+        ({"hysteresis": 2**63}, "hysteresis"),
+        ({"growth_factor": 1e39}, "growth_factor"),
+        ({"backoff_factor": 1e-50}, "backoff_factor"),
+    ],
+)
 def test_unrepresentable_values_are_refused_at_construction(kwargs, argument):
     with pytest.raises(ValueError, match=f"`{argument}`"):
         LossScaler(**kwargs)
@@ -89,8 +92,7 @@ def test_a_fixed_scale_that_overflows_every_step_is_refused_unless_asked_for_in_
     model = mp.MixedPrecisionModel(inputs, outputs, loss_scale=MAX_FIXED_LOSS_SCALE)
     model.compile(keras.optimizers.SGD(0.1), "mse", run_eagerly=True)
     before = model.get_weights()
-    history = model.fit(np.ones((4, 2), "float32"), np.full((4, 1), 3.0, "float32"), epochs=1,
-                        verbose=0)
+    history = model.fit(np.ones((4, 2), "float32"), np.full((4, 1), 3.0, "float32"), epochs=1, verbose=0)
     assert history.history["skipped_steps"] == [0.0]
     assert all(not np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
 
@@ -98,17 +100,27 @@ def test_a_fixed_scale_that_overflows_every_step_is_refused_unless_asked_for_in_
 _FLOOR = "a finite number >= 2**-24 (5.96e-08)"
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"initial_scale": 0.0}, f"`initial_scale` must be {_FLOOR}; received initial_scale=0.0."),
-    ({"min_scale": 1e-9}, f"`min_scale` must be {_FLOOR}; received min_scale=1e-09."),
-    ({"max_scale": 1e-9}, f"`max_scale` must be {_FLOOR}; received max_scale=1e-09."),
-    ({"growth_interval": 0},
-     "`growth_interval` must be an integer >= 1 that fits in int64; received growth_interval=0."),
-    ({"hysteresis": 0}, "`hysteresis` must be an integer >= 1 that fits in int64; received hysteresis=0."),
-    ({"growth_factor": 1.0}, "`growth_factor` must be a finite number > 1; received growth_factor=1.0."),
-    ({"backoff_factor": 1.0},
-     "`backoff_factor` must be a number in the open interval (0, 1); received backoff_factor=1.0."),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"initial_scale": 0.0}, f"`initial_scale` must be {_FLOOR}; received initial_scale=0.0."),
+        ({"min_scale": 1e-9}, f"`min_scale` must be {_FLOOR}; received min_scale=1e-09."),
+        ({"max_scale": 1e-9}, f"`max_scale` must be {_FLOOR}; received max_scale=1e-09."),
+        (
+            {"growth_interval": 0},
+            "`growth_interval` must be an integer >= 1 that fits in int64; received growth_interval=0.",
+        ),
+        (
+            {"hysteresis": 0},
+            "`hysteresis` must be an integer >= 1 that fits in int64; received hysteresis=0.",
+        ),
+        ({"growth_factor": 1.0}, "`growth_factor` must be a finite number > 1; received growth_factor=1.0."),
+        (
+            {"backoff_factor": 1.0},
+            "`backoff_factor` must be a number in the open interval (0, 1); received backoff_factor=1.0.",
+        ),
+    ],
+)
 def test_refusals_name_the_class_the_argument_the_rule_and_the_value(kwargs, message):
     with pytest.raises((ValueError, TypeError)) as caught:
         LossScaler(**kwargs)
@@ -136,8 +148,12 @@ def test_largest_int64_interval_trains():
 
 
 def test_numpy_numbers_are_accepted():
-    loss_scale = LossScaler(initial_scale=np.float32(1024), growth_interval=np.int64(3),
-                                  growth_factor=np.float64(2.0), hysteresis=np.int32(2))
+    loss_scale = LossScaler(
+        initial_scale=np.float32(1024),
+        growth_interval=np.int64(3),
+        growth_factor=np.float64(2.0),
+        hysteresis=np.int32(2),
+    )
     assert loss_scale.initial_scale == 1024.0 and loss_scale.growth_interval == 3
     assert type(loss_scale.growth_interval) is int and type(loss_scale.initial_scale) is float
     inputs = keras.Input((2,))
@@ -235,8 +251,13 @@ def test_one_table_names_every_state_key():
 
 def test_one_pass_check_is_exact_for_huge_finite_and_non_finite_gradients():
     loss_scale = LossScaler()
-    grads = [tf.constant([3.0, 4.0]), tf.constant([1e20, 1.0]), None,
-             tf.constant([np.nan]), tf.constant([1.0], tf.float16)]
+    grads = [
+        tf.constant([3.0, 4.0]),
+        tf.constant([1e20, 1.0]),
+        None,
+        tf.constant([np.nan]),
+        tf.constant([1.0], tf.float16),
+    ]
     checked = loss_scale.check_gradients(grads)
     # 1e20 squared overflows float32, yet that gradient is finite.
     assert checked.flags.numpy().tolist() == [0, 0, 0, 1, 0]
@@ -271,7 +292,8 @@ def test_reset_divergence_latches_and_repr():
     assert state["divergent_steps"] == 2  # the total stays
     assert repr(LossScaler.fixed(8.0)) == "LossScaler.fixed(8.0)"
     assert repr(LossScaler(initial_scale=4.0, growth_interval=7, hysteresis=2)) == (
-        "LossScaler(initial_scale=4.0, growth_interval=7, hysteresis=2)")
+        "LossScaler(initial_scale=4.0, growth_interval=7, hysteresis=2)"
+    )
 
 
 def test_loss_scale_from_argument_every_branch():
@@ -286,8 +308,16 @@ def test_loss_scale_from_argument_every_branch():
     assert not fixed.is_dynamic and fixed.get_scale() == 64.0 and fixed.min_scale == 64.0
     revived = loss_scale_from_argument(keras.saving.serialize_keras_object(given))
     assert isinstance(revived, LossScaler) and revived.get_config() == given.get_config()
-    for value, error in (("dynamic", ValueError), (0, ValueError), (-2.0, ValueError), (1e39, ValueError),
-                         (True, TypeError), ([], TypeError), ({}, TypeError), (object(), TypeError)):
+    for value, error in (
+        ("dynamic", ValueError),
+        (0, ValueError),
+        (-2.0, ValueError),
+        (1e39, ValueError),
+        (True, TypeError),
+        ([], TypeError),
+        ({}, TypeError),
+        (object(), TypeError),
+    ):
         with pytest.raises(error, match=r"^Owner: `loss_scale` must be") as caught:
             loss_scale_from_argument(value, owner="Owner")
         assert "loss_scale=" in str(caught.value)
@@ -319,9 +349,15 @@ def test_state_round_trip_types_and_partial_restores():
     other = LossScaler(initial_scale=4.0)
     other.build([tf.Variable([0.0])])
     # A misshapen entry is skipped, and the entries after it still restore.
-    other.set_state({"scale": np.array([1.0, 2.0], "float32"), "good_steps": 3.0,
-                     "skipped_steps": np.int64(1), "nonfinite_counts": saved["nonfinite_counts"],
-                     "lowest_scale": np.float32(0.5)})
+    other.set_state(
+        {
+            "scale": np.array([1.0, 2.0], "float32"),
+            "good_steps": 3.0,
+            "skipped_steps": np.int64(1),
+            "nonfinite_counts": saved["nonfinite_counts"],
+            "lowest_scale": np.float32(0.5),
+        }
+    )
     restored = other.diagnostics()
     assert restored["scale"] == 4.0 and restored["good_steps"] == 3 and restored["skipped_steps"] == 1
     assert restored["lowest_scale"] == 0.5
@@ -350,8 +386,9 @@ def test_state_variables_are_untrainable_single_copies_with_stable_names():
     loss_scale.build([a, b])
     assert loss_scale.trainable_variables == ()
     names = sorted(v.name.split("/")[-1].split(":")[0] for v in loss_scale.variables)
-    assert names == sorted([spec.name for spec in mp.loss_scale.STATE_VARIABLES]
-                           + ["nonfinite_gradient_counts"])
+    assert names == sorted(
+        [spec.name for spec in mp.loss_scale.STATE_VARIABLES] + ["nonfinite_gradient_counts"]
+    )
     # One value shared by every replica, updated after one all-reduced decision.
     assert {v.aggregation for v in loss_scale.variables} == {tf.VariableAggregation.ONLY_FIRST_REPLICA}
     optimizer = keras.optimizers.SGD(0.1)
@@ -366,13 +403,16 @@ def test_state_variables_are_untrainable_single_copies_with_stable_names():
 def test_loss_scale_argument_errors_say_exactly_what_is_accepted():
     from mp_callbacks.loss_scale import loss_scale_from_argument
 
-    general = ("'auto', a LossScaler, a number in [2**-24, 2**64] (fixed scale) or None "
-               "(no scaling)")
+    general = "'auto', a LossScaler, a number in [2**-24, 2**64] (fixed scale) or None (no scaling)"
     cases = [
         ("dynamic", ValueError, f"Owner: `loss_scale` must be {general}; received loss_scale='dynamic'."),
         ([], TypeError, f"Owner: `loss_scale` must be {general}; received loss_scale=[]."),
-        (0, ValueError, "Owner: `loss_scale` must be a number from 2**-24 (5.96e-08) to 2**64 "
-                        "(1.84e+19) when it is a fixed scale; received loss_scale=0."),
+        (
+            0,
+            ValueError,
+            "Owner: `loss_scale` must be a number from 2**-24 (5.96e-08) to 2**64 "
+            "(1.84e+19) when it is a fixed scale; received loss_scale=0.",
+        ),
     ]
     for value, error, message in cases:
         with pytest.raises(error) as caught:

@@ -8,9 +8,9 @@ import logging
 import keras
 import numpy as np
 import pytest
+from helpers import classification_data, poisoned_model, tiny_classifier
 
 import mp_callbacks as mp
-from helpers import classification_data, poisoned_model, tiny_classifier
 
 
 def test_stock_model_with_keras_loss_scale_optimizer():
@@ -18,9 +18,7 @@ def test_stock_model_with_keras_loss_scale_optimizer():
     targets = np.full((32, 3), 100.0, "float32")
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
-    optimizer = keras.mixed_precision.LossScaleOptimizer(
-        keras.optimizers.SGD(1e-4), initial_scale=2.0**127
-    )
+    optimizer = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(1e-4), initial_scale=2.0**127)
     model.compile(optimizer, "mse")
     monitor = mp.LossScaleMonitor(max_skipped_fraction=1.0)
     history = model.fit(x, targets, epochs=2, batch_size=4, callbacks=[monitor], verbose=0).history
@@ -35,7 +33,9 @@ def test_reports_one_and_says_so_once_without_loss_scaling(caplog):
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3, activation="softmax")])
     model.compile("sgd", "sparse_categorical_crossentropy")
     with caplog.at_level(logging.INFO, logger="mp_callbacks"):
-        history = model.fit(x, y, epochs=2, batch_size=8, callbacks=[mp.LossScaleMonitor()], verbose=0).history
+        history = model.fit(
+            x, y, epochs=2, batch_size=8, callbacks=[mp.LossScaleMonitor()], verbose=0
+        ).history
     assert history["loss_scale"] == [1.0, 1.0]
     messages = [r.getMessage() for r in caplog.records if "no loss scaling is active" in r.getMessage()]
     assert len(messages) == 1
@@ -67,14 +67,19 @@ def test_healthy_training_raises_no_warning(recwarn):
     x, y = classification_data(n=32)
     model = tiny_classifier(loss_scale=mp.LossScaler(initial_scale=256.0))
     model.compile("adam", "sparse_categorical_crossentropy")
-    model.fit(x, y, epochs=2, batch_size=8, verbose=0, callbacks=[mp.LossScaleMonitor(max_skipped_fraction=0.0)])
+    model.fit(
+        x, y, epochs=2, batch_size=8, verbose=0, callbacks=[mp.LossScaleMonitor(max_skipped_fraction=0.0)]
+    )
     assert not [w for w in recwarn if issubclass(w.category, mp.MixedPrecisionWarning)]
 
 
 @pytest.mark.parametrize(
     "kwargs, name",
-    [(dict(every_n_steps=0), "every_n_steps"), (dict(collapse_threshold=-1.0), "collapse_threshold"),
-     (dict(max_skipped_fraction=1.5), "max_skipped_fraction")],
+    [
+        ({"every_n_steps": 0}, "every_n_steps"),
+        ({"collapse_threshold": -1.0}, "collapse_threshold"),
+        ({"max_skipped_fraction": 1.5}, "max_skipped_fraction"),
+    ],
 )
 def test_bad_arguments_are_named(kwargs, name):
     with pytest.raises(ValueError, match=f"`{name}`.*{name}="):
@@ -94,12 +99,18 @@ def test_every_n_steps_records_exact_steps_and_epochs_across_fits():
     model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[monitor])  # 4 steps an epoch
     # Growth after steps 3 and 6 (8 -> 16 -> 32); records every 3 steps and at epoch ends.
     assert [(r["epoch"], r["step"], r["loss_scale"]) for r in monitor.history] == [
-        (0, 3, 16.0), (0, 4, 16.0), (1, 6, 32.0), (1, 8, 32.0)]
+        (0, 3, 16.0),
+        (0, 4, 16.0),
+        (1, 6, 32.0),
+        (1, 8, 32.0),
+    ]
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[monitor])
     # good_steps carries over (2 at the end of the first fit): growth at this
     # fit's steps 1 and 4. Steps count from 1 again, as epochs do.
     assert [(r["epoch"], r["step"], r["loss_scale"]) for r in monitor.history] == [
-        (0, 3, 64.0), (0, 4, 128.0)]
+        (0, 3, 64.0),
+        (0, 4, 128.0),
+    ]
     monitor.on_epoch_end(0)  # Keras always passes logs; a direct call must not fail
 
 
@@ -142,8 +153,15 @@ def test_skipped_fraction_warning_is_strictly_above_the_limit():
         model = _scale_model(initial_scale=4.0)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
-                      callbacks=[mp.LossScaleMonitor(max_skipped_fraction=limit)])
+            model.fit(
+                x,
+                y,
+                batch_size=8,
+                epochs=1,
+                verbose=0,
+                shuffle=False,
+                callbacks=[mp.LossScaleMonitor(max_skipped_fraction=limit)],
+            )
         messages = [str(w.message) for w in caught if "were skipped" in str(w.message)]
         assert bool(messages) == warns
         if warns:
@@ -160,10 +178,18 @@ def test_keras_loss_scale_optimizer_skips_are_counted_per_epoch():
     optimizer = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(1e-3), initial_scale=2.0**10)
     model.compile(optimizer, "mse")
     # 12 halvings from 1024: below 1 by epoch 3, which the monitor reports.
-    with pytest.warns(mp.MixedPrecisionWarning,
-                      match=r"collapsed to 0.25 \(at or below 1\) by the end of epoch 3"):
-        history = model.fit(x, targets, epochs=3, batch_size=8, shuffle=False, verbose=0,
-                            callbacks=[mp.LossScaleMonitor(max_skipped_fraction=1.0)]).history
+    with pytest.warns(
+        mp.MixedPrecisionWarning, match=r"collapsed to 0.25 \(at or below 1\) by the end of epoch 3"
+    ):
+        history = model.fit(
+            x,
+            targets,
+            epochs=3,
+            batch_size=8,
+            shuffle=False,
+            verbose=0,
+            callbacks=[mp.LossScaleMonitor(max_skipped_fraction=1.0)],
+        ).history
     assert history["skipped_steps"] == [4.0, 4.0, 4.0]
     assert int(optimizer.iterations.numpy()) == 0
 
@@ -191,9 +217,17 @@ def test_a_collapse_before_this_fit_is_not_reported_and_one_at_epoch_end_names_t
     assert not [w for w in caught if "collapsed" in str(w.message)]
     data = np.concatenate([x, bad]), np.concatenate([y, y])
     model2 = _scale_model(initial_scale=4.0, growth_interval=100, min_scale=1.0)  # 4 -> 2 -> 1
-    with pytest.warns(mp.MixedPrecisionWarning, match=r"collapsed to 1 \(its minimum 1\) by the end of epoch 2"):
-        model2.fit(*data, batch_size=32, epochs=2, verbose=0, shuffle=False,
-                   callbacks=[mp.LossScaleMonitor(max_skipped_fraction=1.0)])
+    with pytest.warns(
+        mp.MixedPrecisionWarning, match=r"collapsed to 1 \(its minimum 1\) by the end of epoch 2"
+    ):
+        model2.fit(
+            *data,
+            batch_size=32,
+            epochs=2,
+            verbose=0,
+            shuffle=False,
+            callbacks=[mp.LossScaleMonitor(max_skipped_fraction=1.0)],
+        )
 
 
 # ------------------------------- every hook, on a driven loss-scale state
@@ -238,11 +272,17 @@ def test_keras_optimizer_skips_are_counted_per_epoch_when_some_steps_apply():
     targets = np.zeros((32, 3), "float32")
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
-    optimizer = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(1e-3),
-                                                         initial_scale=2.0**10)
+    optimizer = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(1e-3), initial_scale=2.0**10)
     model.compile(optimizer, "mse")
-    history = model.fit(x, targets, epochs=3, batch_size=8, shuffle=False, verbose=0,
-                        callbacks=[mp.LossScaleMonitor(max_skipped_fraction=1.0)]).history
+    history = model.fit(
+        x,
+        targets,
+        epochs=3,
+        batch_size=8,
+        shuffle=False,
+        verbose=0,
+        callbacks=[mp.LossScaleMonitor(max_skipped_fraction=1.0)],
+    ).history
     # 2 of 4 steps skipped in every epoch: each epoch counts its own.
     assert history["skipped_steps"] == [2.0, 2.0, 2.0]
     assert int(optimizer.iterations.numpy()) == 6
@@ -252,8 +292,9 @@ def test_a_skipped_steps_entry_already_in_the_logs_is_kept():
     import types
 
     optimizer = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=8.0)
-    model = types.SimpleNamespace(name="custom", optimizer=optimizer,
-                                  dtype_policy=keras.DTypePolicy("float32"))
+    model = types.SimpleNamespace(
+        name="custom", optimizer=optimizer, dtype_policy=keras.DTypePolicy("float32")
+    )
     monitor = mp.LossScaleMonitor(max_skipped_fraction=1.0)
     monitor.set_model(model)
     monitor.on_train_begin()
@@ -273,16 +314,20 @@ def test_calibrating_down_from_initial_scale_is_not_warned_about_but_recorded(ca
     # step; at 2**20 it trains.
     keras.utils.set_random_seed(0)
     inputs = keras.Input((6,))
-    model = mp.MixedPrecisionModel(inputs, keras.layers.Dense(1)(inputs), loss_scale=mp.LossScaler(
-        initial_scale=2.0**120, backoff_factor=2.0**-100, max_scale=2.0**120))
+    model = mp.MixedPrecisionModel(
+        inputs,
+        keras.layers.Dense(1)(inputs),
+        loss_scale=mp.LossScaler(initial_scale=2.0**120, backoff_factor=2.0**-100, max_scale=2.0**120),
+    )
     model.compile(keras.optimizers.SGD(1e-6), "mse")
     monitor = mp.LossScaleMonitor(every_n_steps=1)
     import warnings
 
     with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO, "mp_callbacks"):
         warnings.simplefilter("always")
-        history = model.fit(x, targets, batch_size=8, epochs=1, verbose=0, shuffle=False,
-                            callbacks=[monitor]).history
+        history = model.fit(
+            x, targets, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=[monitor]
+        ).history
     assert history["skipped_steps"] == [1.0]  # still in the logs
     assert not [w for w in caught if "were skipped" in str(w.message)]
     assert [r["loss_scale"] for r in monitor.history][:2] == [2.0**20, 2.0**20]
@@ -294,6 +339,7 @@ def test_calibrating_down_from_initial_scale_is_not_warned_about_but_recorded(ca
     x_bad[:8] = np.inf
     _, y = classification_data(n=32)
     with pytest.warns(mp.MixedPrecisionWarning, match="1 of 4 steps"):
-        model.fit(x_bad, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
-                  callbacks=[mp.LossScaleMonitor()])
+        model.fit(
+            x_bad, y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=[mp.LossScaleMonitor()]
+        )
     assert model.scaler.diagnostics()["calibration_steps"] == 0

@@ -43,7 +43,8 @@ def test_float16_softmax_output_is_named():
     assert findings[0].message == (
         "model output is float16 under a mixed policy; its softmax is computed in float16, where "
         "it saturates. Give this layer dtype='float32', or let it output the logits and add "
-        "keras.layers.Activation('softmax', dtype='float32') after it.")
+        "keras.layers.Activation('softmax', dtype='float32') after it."
+    )
 
 
 def test_bfloat16_normalization_output_is_named():
@@ -55,7 +56,8 @@ def test_bfloat16_normalization_output_is_named():
     assert _kinds(findings) == [("output_dtype", "norm")]
     assert findings[0].message == (
         "model output is bfloat16 under a mixed policy; its LayerNormalization is computed in "
-        "bfloat16. Give this layer dtype='float32'.")
+        "bfloat16. Give this layer dtype='float32'."
+    )
 
 
 def test_sizes_not_multiple_of_eight_are_named_but_not_the_output():
@@ -144,7 +146,7 @@ def test_a_subclassed_models_sub_models_are_checked_and_the_rest_said():
     assert ("not_checked", model.name) in kinds
     feeding = [f for f in findings if f.kind in ("output_dtype", "low_precision_output_op")]
     assert feeding and "in sub-model 'decoder'" in feeding[0].message
-    note = [f for f in findings if f.kind == "not_checked"][0].message
+    note = next(f for f in findings if f.kind == "not_checked").message
     assert "call()" in note and "'encoder'" in note and "'decoder'" in note
 
 
@@ -177,7 +179,9 @@ def test_missing_loss_scale_under_float16():
 def test_compile_warns_once_with_the_findings():
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = _mlp()
-    with pytest.warns(mp.MixedPrecisionWarning, match=r"(?s)1 mixed-precision issue\(s\).*\[output_dtype\] out"):
+    with pytest.warns(
+        mp.MixedPrecisionWarning, match=r"(?s)1 mixed-precision issue\(s\).*\[output_dtype\] out"
+    ):
         model.compile("sgd", "sparse_categorical_crossentropy")
     with warnings.catch_warnings():
         warnings.simplefilter("error", mp.MixedPrecisionWarning)
@@ -201,17 +205,22 @@ def _dense_head(head):
     return keras.Model(inputs, head(x))
 
 
-@pytest.mark.parametrize("remedy", [
-    # "Give this layer dtype='float32'"
-    lambda x: keras.layers.Dense(10, activation="softmax", dtype="float32", name="out")(x),
-    # "let it output the logits and add Activation('softmax', dtype='float32')"
-    lambda x: keras.layers.Activation("softmax", dtype="float32", name="probs")(
-        keras.layers.Dense(10, name="out")(x)),
-])
+@pytest.mark.parametrize(
+    "remedy",
+    [
+        # "Give this layer dtype='float32'"
+        lambda x: keras.layers.Dense(10, activation="softmax", dtype="float32", name="out")(x),
+        # "let it output the logits and add Activation('softmax', dtype='float32')"
+        lambda x: keras.layers.Activation("softmax", dtype="float32", name="probs")(
+            keras.layers.Dense(10, name="out")(x)
+        ),
+    ],
+)
 def test_each_remedy_for_a_float16_softmax_clears_the_finding(remedy):
     keras.mixed_precision.set_global_policy("mixed_float16")
-    before = mp.check_model(_dense_head(
-        lambda x: keras.layers.Dense(10, activation="softmax", name="out")(x)))
+    before = mp.check_model(
+        _dense_head(lambda x: keras.layers.Dense(10, activation="softmax", name="out")(x))
+    )
     assert _kinds(before) == [("output_dtype", "out")]
     assert mp.check_model(_dense_head(remedy)) == []
 
@@ -221,8 +230,9 @@ def test_the_linear_cast_remedy_clears_a_float16_logits_output():
     before = mp.check_model(_dense_head(lambda x: keras.layers.Dense(10, name="out")(x)))
     assert _kinds(before) == [("output_dtype", "out")]
     assert "add keras.layers.Activation('linear', dtype='float32') after it" in before[0].message
-    after = _dense_head(lambda x: keras.layers.Activation("linear", dtype="float32")(
-        keras.layers.Dense(10, name="out")(x)))
+    after = _dense_head(
+        lambda x: keras.layers.Activation("linear", dtype="float32")(keras.layers.Dense(10, name="out")(x))
+    )
     assert mp.check_model(after) == []
 
 
@@ -250,7 +260,7 @@ def test_alignment_is_kept_for_layers_that_carry_compute_and_grouped():
 # ---------------------------------------------- real models: applications
 def _application(name, float32_head):
     build = getattr(keras.applications, name)
-    kwargs = dict(weights=None, input_shape=(32, 32, 3))
+    kwargs = {"weights": None, "input_shape": (32, 32, 3)}
     if name == "MobileNetV3Small":
         kwargs["include_preprocessing"] = False
     if not float32_head:

@@ -10,14 +10,13 @@ import textwrap
 import keras
 import numpy as np
 import pytest
+from helpers import classification_data, tiny_classifier
 
 import mp_callbacks as mp
-from helpers import classification_data, tiny_classifier
 
 # Tiny layers (4 units) keep float16 cheap on CPU; compile's check_model
 # hint about Tensor-Core sizes is expected here and tested in test_model_checks.
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:check_model found:mp_callbacks.errors.MixedPrecisionWarning")
+pytestmark = pytest.mark.filterwarnings("ignore:check_model found:mp_callbacks.errors.MixedPrecisionWarning")
 
 
 def _bn_model(policy: str, units: int = 4):
@@ -25,8 +24,10 @@ def _bn_model(policy: str, units: int = 4):
     keras.utils.set_random_seed(0)
     layers = [keras.Input((6,))]
     for i in range(4):
-        layers += [keras.layers.Dense(units, name=f"dense_{i}"),
-                   keras.layers.BatchNormalization(name=f"bn_{i}")]
+        layers += [
+            keras.layers.Dense(units, name=f"dense_{i}"),
+            keras.layers.BatchNormalization(name=f"bn_{i}"),
+        ]
     layers.append(keras.layers.Dense(3, dtype="float32", name="head"))
     model = mp.MixedPrecisionModel.from_model(keras.Sequential(layers))
     model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -58,8 +59,9 @@ def test_a_skipped_step_leaves_batch_norm_statistics_untouched(policy):
     assert np.isfinite(model.evaluate(x, y, verbose=0))
     # A healthy step after it still updates the statistics.
     model.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0)
-    assert any(not np.array_equal(a, v.numpy()) for a, v in zip(before, model.variables)
-               if "moving" in v.path)
+    assert any(
+        not np.array_equal(a, v.numpy()) for a, v in zip(before, model.variables) if "moving" in v.path
+    )
 
 
 def test_a_skipped_step_on_a_model_without_forward_state():
@@ -139,8 +141,8 @@ def test_export_serves_without_mp_callbacks(tmp_path):
         import sys, numpy as np, tensorflow as tf
         sys.modules["mp_callbacks"] = None  # importing it would fail
         served = tf.saved_model.load({export_dir!r})
-        out = served.serve(tf.constant(np.load({str(tmp_path / 'x.npy')!r})))
-        np.save({str(tmp_path / 'out.npy')!r}, out.numpy())
+        out = served.serve(tf.constant(np.load({str(tmp_path / "x.npy")!r})))
+        np.save({str(tmp_path / "out.npy")!r}, out.numpy())
     """)
     subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, timeout=300)
     np.testing.assert_allclose(np.load(tmp_path / "out.npy"), expected, rtol=1e-6)

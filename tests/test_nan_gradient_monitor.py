@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
 import numpy as np
 import pytest
+import tensorflow as tf
+from helpers import classification_data, poisoned_model, tiny_classifier
 
 import mp_callbacks as mp
-from helpers import classification_data, poisoned_model, tiny_classifier
 
 
 def test_raise_names_the_poisoned_layer_and_nothing_else():
     x, y = classification_data(n=32)
     model = poisoned_model()
     with pytest.raises(mp.NonFiniteGradientError) as caught:
-        model.fit(x, y, epochs=3, batch_size=8, verbose=0,
-                  callbacks=[mp.NaNGradientMonitor(patience=2, action="raise", check_every=1)])
+        model.fit(
+            x,
+            y,
+            epochs=3,
+            batch_size=8,
+            verbose=0,
+            callbacks=[mp.NaNGradientMonitor(patience=2, action="raise", check_every=1)],
+        )
     error = caught.value
     assert error.variables == ["poisoned/kernel"]
     assert error.origin == "poisoned"
@@ -90,7 +96,7 @@ def test_stock_model_watches_the_loss():
 
 @pytest.mark.parametrize(
     "kwargs, name",
-    [(dict(patience=0), "patience"), (dict(action="halt"), "action"), (dict(check_every=0), "check_every")],
+    [({"patience": 0}, "patience"), ({"action": "halt"}, "action"), ({"check_every": 0}, "check_every")],
 )
 def test_bad_arguments_are_named(kwargs, name):
     with pytest.raises(ValueError, match=f"`{name}`.*{name}="):
@@ -123,8 +129,14 @@ def test_stock_model_loss_only_counts_consecutive_checks():
     model.compile("sgd", "mse")
     x, _ = classification_data(n=32)
     y = np.zeros((32, 2), "float32")
-    clean = model.fit(x, y, batch_size=8, epochs=1, verbose=0,
-                      callbacks=[monitor := mp.NaNGradientMonitor(patience=2, action="stop", check_every=1)])
+    clean = model.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=1,
+        verbose=0,
+        callbacks=[monitor := mp.NaNGradientMonitor(patience=2, action="stop", check_every=1)],
+    )
     assert monitor.error is None and len(clean.history["loss"]) == 1
     y_bad = y.copy()
     y_bad[16:] = np.nan  # the last two of the fit's eight batches
@@ -197,8 +209,10 @@ def test_a_non_finite_loss_with_finite_layer_outputs_points_at_the_labels():
     monitor = mp.NaNGradientMonitor(patience=1, action="stop", check_every=1)
     model.fit(x, y, batch_size=8, verbose=0, callbacks=[monitor])
     assert monitor.error.origin == "loss"
-    assert ("Every layer output of the replayed batch is finite but the loss is not: "
-            "check the labels and the loss function.") in str(monitor.error)
+    assert (
+        "Every layer output of the replayed batch is finite but the loss is not: "
+        "check the labels and the loss function."
+    ) in str(monitor.error)
 
 
 def test_layer_of_a_variable_path():
@@ -256,18 +270,34 @@ def test_reason_follows_what_diverged_at_each_check():
     monitor, loss_scale, _ = _driven(action="warn", check_every=1)
     monitor.on_train_begin()
     monitor.on_epoch_begin(0)
-    _state(loss_scale, scale=1.0, skipped_steps=1, nonfinite_loss_steps=1, divergent_steps=1,
-           divergent_run=1, max_divergent_run=1)
+    _state(
+        loss_scale,
+        scale=1.0,
+        skipped_steps=1,
+        nonfinite_loss_steps=1,
+        divergent_steps=1,
+        divergent_run=1,
+        max_divergent_run=1,
+    )
     with pytest.warns(mp.MixedPrecisionWarning) as caught:
         monitor.on_train_batch_end(0)
     assert "step 1: the loss was non-finite" in str(caught[0].message)
     # Step 2: the loss is finite again, a gradient is not, at the minimum scale.
-    _state(loss_scale, (0, 0, 1), scale=1.0, skipped_steps=2, nonfinite_loss_steps=1,
-           divergent_steps=2, divergent_run=2, max_divergent_run=2)
+    _state(
+        loss_scale,
+        (0, 0, 1),
+        scale=1.0,
+        skipped_steps=2,
+        nonfinite_loss_steps=1,
+        divergent_steps=2,
+        divergent_run=2,
+        max_divergent_run=2,
+    )
     with pytest.warns(mp.MixedPrecisionWarning) as caught:
         monitor.on_train_batch_end(1)
-    assert ("step 2: gradients were non-finite with the loss scale at its minimum (1)"
-            in str(caught[0].message))
+    assert "step 2: gradients were non-finite with the loss scale at its minimum (1)" in str(
+        caught[0].message
+    )
     assert monitor.error.variables == ["c/kernel"]
 
 
@@ -279,8 +309,15 @@ def test_a_step_number_counts_an_empty_epoch_as_no_steps():
     monitor.on_epoch_begin(1)
     for batch in range(3):
         monitor.on_train_batch_end(batch)
-    _state(loss_scale, (1, 1, 1), scale=1.0, skipped_steps=1, divergent_steps=1,
-           divergent_run=1, max_divergent_run=1)
+    _state(
+        loss_scale,
+        (1, 1, 1),
+        scale=1.0,
+        skipped_steps=1,
+        divergent_steps=1,
+        divergent_run=1,
+        max_divergent_run=1,
+    )
     with pytest.warns(mp.MixedPrecisionWarning, match=r"Training diverged by step 3: "):
         monitor.on_epoch_end(1, {})
 
@@ -289,8 +326,15 @@ def test_without_a_kept_batch_the_origin_is_the_last_of_several_culprits():
     monitor, loss_scale, _ = _driven(action="warn", check_every=1)
     monitor.on_train_begin()
     monitor.on_epoch_begin(0)
-    _state(loss_scale, (1, 1, 1), scale=1.0, skipped_steps=1, divergent_steps=1,
-           divergent_run=1, max_divergent_run=1)
+    _state(
+        loss_scale,
+        (1, 1, 1),
+        scale=1.0,
+        skipped_steps=1,
+        divergent_steps=1,
+        divergent_run=1,
+        max_divergent_run=1,
+    )
     with pytest.warns(mp.MixedPrecisionWarning):
         monitor.on_train_batch_end(0)
     assert monitor.error.origin == "c"  # nearest the loss of a, b, c
@@ -311,7 +355,8 @@ def test_a_stock_model_is_judged_on_the_epoch_end_loss():
     assert monitor.error.variables == [] and monitor.error.origin is None
     assert str(monitor.error) == (
         "Training diverged by step 1: the loss was non-finite for at least 1 consecutive step(s). "
-        "No gradient was non-finite at the checks; the loss itself was.")
+        "No gradient was non-finite at the checks; the loss itself was."
+    )
 
 
 def test_defaults():
@@ -327,8 +372,15 @@ def test_culprits_are_the_variables_whose_count_grew_since_the_last_check():
     _state(loss_scale, (1, 0, 0), scale=2.0, skipped_steps=1)  # handled overflow in a
     monitor.on_train_batch_end(0)
     assert monitor.error is None and monitor.handled_steps == 1
-    _state(loss_scale, (1, 1, 0), scale=1.0, skipped_steps=2, divergent_steps=1,
-           divergent_run=1, max_divergent_run=1)
+    _state(
+        loss_scale,
+        (1, 1, 0),
+        scale=1.0,
+        skipped_steps=2,
+        divergent_steps=1,
+        divergent_run=1,
+        max_divergent_run=1,
+    )
     with pytest.warns(mp.MixedPrecisionWarning):
         monitor.on_train_batch_end(1)
     assert monitor.error.variables == ["b/kernel"] and monitor.error.origin == "b"
@@ -345,13 +397,13 @@ def test_divergence_without_loss_scaling_says_so():
     monitor.set_model(model)
     monitor.on_train_begin()
     monitor.on_epoch_begin(0)
-    _state(loss_scale, (1,), skipped_steps=1, divergent_steps=1, divergent_run=1,
-           max_divergent_run=1)
+    _state(loss_scale, (1,), skipped_steps=1, divergent_steps=1, divergent_run=1, max_divergent_run=1)
     monitor.on_train_batch_end(0)
     assert model.stop_training is True
     assert str(monitor.error).startswith(
         "Training diverged by step 1: gradients were non-finite and no loss scaling is active "
-        "for at least 1 consecutive step(s); loss scale 1. ")
+        "for at least 1 consecutive step(s); loss scale 1. "
+    )
 
 
 def test_a_stock_model_needs_patience_consecutive_non_finite_losses():

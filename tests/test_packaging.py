@@ -14,8 +14,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_wheel_contains_license_and_py_typed(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w",
-                    str(tmp_path), str(ROOT)], check=True, timeout=600, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp_path), str(ROOT)],
+        check=True,
+        timeout=600,
+        capture_output=True,
+    )
     wheel = next(tmp_path.glob("mp_callbacks-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "mp_callbacks/py.typed" in names
@@ -23,10 +27,10 @@ def test_wheel_contains_license_and_py_typed(tmp_path):
     assert "mp_callbacks/loss_scale.py" in names and "mp_callbacks_bench/cli.py" in names
     assert not any(name.startswith(("tests/", "benchmarks/", "examples/")) for name in names)
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
-    assert "mp-callbacks = mp_callbacks_bench.cli:main" in zipfile.ZipFile(wheel).read(
-        entry_points).decode()
-    assert any(name.endswith(".dist-info/licenses/LICENSE") or name.endswith(".dist-info/LICENSE")
-               for name in names), names
+    assert "mp-callbacks = mp_callbacks_bench.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert any(
+        name.endswith(".dist-info/licenses/LICENSE") or name.endswith(".dist-info/LICENSE") for name in names
+    ), names
     license_text = (ROOT / "LICENSE").read_text()
     assert "Apache License" in license_text and "Version 2.0" in license_text
 
@@ -37,7 +41,8 @@ def test_the_bench_application_uses_the_librarys_public_api_only():
         for number, line in enumerate(path.read_text().splitlines(), 1):
             stripped = line.strip()
             if stripped.startswith(("import mp_callbacks.", "from mp_callbacks.")) and (
-                    "mp_callbacks._" in stripped or "mp_callbacks." in stripped.split(" import")[0]):
+                "mp_callbacks._" in stripped or "mp_callbacks." in stripped.split(" import")[0]
+            ):
                 private.append(f"{path.name}:{number}: {stripped}")
     assert private == [], private
 

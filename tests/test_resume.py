@@ -6,9 +6,9 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
+from helpers import classification_data, tiny_classifier
 
 import mp_callbacks as mp
-from helpers import classification_data, tiny_classifier
 
 EPOCHS = 4
 X, LABELS = classification_data(n=64)
@@ -16,7 +16,7 @@ X, LABELS = classification_data(n=64)
 # clean steps then pushes the scale back into overflow now and then, so the
 # scale, its counters and the skipped steps all move during the run.
 TARGETS = (np.eye(3, dtype="float32")[LABELS] * 40.0).astype("float32")
-FIT = dict(epochs=EPOCHS, batch_size=8, shuffle=False, verbose=0)
+FIT = {"epochs": EPOCHS, "batch_size": 8, "shuffle": False, "verbose": 0}
 
 
 def _model():
@@ -62,7 +62,9 @@ def test_backup_and_restore_resumes_with_the_same_loss_scale(tmp_path, uninterru
     model = _model()
     backup = str(tmp_path / "backup")
     with pytest.raises(RuntimeError, match="simulated crash"):
-        model.fit(X, TARGETS, callbacks=[keras.callbacks.BackupAndRestore(backup), Crash(epoch=2, batch=3)], **FIT)
+        model.fit(
+            X, TARGETS, callbacks=[keras.callbacks.BackupAndRestore(backup), Crash(epoch=2, batch=3)], **FIT
+        )
     # The crashed model object holds a half-finished epoch 2; resuming must
     # overwrite all of it, loss-scale state included, from the epoch-1 backup.
     assert model.scaler.diagnostics() != uninterrupted.scaler.diagnostics()
@@ -75,7 +77,9 @@ def test_resume_in_a_new_process_like_model(tmp_path, uninterrupted):
     backup = str(tmp_path / "backup")
     crashed = _model()
     with pytest.raises(RuntimeError):
-        crashed.fit(X, TARGETS, callbacks=[keras.callbacks.BackupAndRestore(backup), Crash(epoch=1, batch=0)], **FIT)
+        crashed.fit(
+            X, TARGETS, callbacks=[keras.callbacks.BackupAndRestore(backup), Crash(epoch=1, batch=0)], **FIT
+        )
     fresh = _model()  # built from scratch, as after a restart
     fresh.fit(X, TARGETS, callbacks=[keras.callbacks.BackupAndRestore(backup)], **FIT)
     _assert_same_run(fresh, uninterrupted)
@@ -84,8 +88,12 @@ def test_resume_in_a_new_process_like_model(tmp_path, uninterrupted):
 def test_model_checkpoint_weights_and_initial_epoch(tmp_path, uninterrupted):
     path = str(tmp_path / "ckpt.weights.h5")
     first = _model()
-    first.fit(X, TARGETS, callbacks=[keras.callbacks.ModelCheckpoint(path, save_weights_only=True)],
-              **{**FIT, "epochs": 2})
+    first.fit(
+        X,
+        TARGETS,
+        callbacks=[keras.callbacks.ModelCheckpoint(path, save_weights_only=True)],
+        **{**FIT, "epochs": 2},
+    )
     second = _model()
     second.load_weights(path)
     assert second.get_scale() == first.get_scale()

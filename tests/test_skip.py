@@ -35,8 +35,7 @@ def _step(make_optimizer, sparse: bool, mechanism: str, applied: bool):
     model, optimizer = _model(sparse), make_optimizer()
     extra = tf.Variable([1.0, 2.0])  # state a forward pass changed
     rng = np.random.default_rng(1)
-    x = (rng.integers(0, 10, (5, 3)).astype("int32") if sparse
-         else rng.normal(size=(5, 4)).astype("float32"))
+    x = rng.integers(0, 10, (5, 3)).astype("int32") if sparse else rng.normal(size=(5, 4)).astype("float32")
     y = rng.normal(size=(5, 2)).astype("float32")
     used = []
 
@@ -47,8 +46,16 @@ def _step(make_optimizer, sparse: bool, mechanism: str, applied: bool):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(model(x) - y))
         grads = tape.gradient(loss, model.trainable_variables)
-        used.append(apply_or_skip(optimizer, grads, model.trainable_variables, decision,
-                                  restore_on_skip=[(extra, before)], mechanism=mechanism))
+        used.append(
+            apply_or_skip(
+                optimizer,
+                grads,
+                model.trainable_variables,
+                decision,
+                restore_on_skip=[(extra, before)],
+                mechanism=mechanism,
+            )
+        )
 
     optimizer.build(model.trainable_variables)
     step(tf.constant(True))
@@ -99,9 +106,15 @@ def test_the_cross_replica_form_is_the_conds_update(applied, two_cpu_strategy):
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean(tf.square(reference_model(x) - y))
     grads = tape.gradient(loss, reference_model.trainable_variables)
-    apply_or_skip(reference_optimizer, grads, reference_model.trainable_variables,
-                  tf.constant(applied), mechanism="cond")
+    apply_or_skip(
+        reference_optimizer,
+        grads,
+        reference_model.trainable_variables,
+        tf.constant(applied),
+        mechanism="cond",
+    )
     expected = [v.numpy() for v in reference_model.trainable_variables + reference_optimizer.variables]
     for ours, theirs in zip(state, expected):
-        np.testing.assert_allclose(np.frombuffer(ours, theirs.dtype).reshape(theirs.shape), theirs,
-                                   rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(
+            np.frombuffer(ours, theirs.dtype).reshape(theirs.shape), theirs, rtol=1e-6, atol=1e-7
+        )

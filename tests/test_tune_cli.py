@@ -11,20 +11,38 @@ import pytest
 import mp_callbacks as mp
 from mp_callbacks_bench.cli import main
 
-STARTUP_NOISE = ("absl::InitializeLog", "oneDNN custom operations", "cpu_feature_guard",
-                 "rebuild TensorFlow")
+STARTUP_NOISE = ("absl::InitializeLog", "oneDNN custom operations", "cpu_feature_guard", "rebuild TensorFlow")
 
 
 @pytest.fixture(scope="module")
 def quick_tune(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tune")
-    paths = {k: directory / name for k, name in
-             (("json", "plan.json"), ("markdown", "plan.md"), ("plot", "plan.png"))}
+    paths = {
+        k: directory / name
+        for k, name in (("json", "plan.json"), ("markdown", "plan.md"), ("plot", "plan.png"))
+    }
     completed = subprocess.run(
-        [sys.executable, "-m", "mp_callbacks_bench", "tune", "--quick", "--train-samples", "1024",
-         "--steps", "20", "--json", str(paths["json"]), "--markdown", str(paths["markdown"]),
-         "--plot", str(paths["plot"])],
-        capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "mp_callbacks_bench",
+            "tune",
+            "--quick",
+            "--train-samples",
+            "1024",
+            "--steps",
+            "20",
+            "--json",
+            str(paths["json"]),
+            "--markdown",
+            str(paths["markdown"]),
+            "--plot",
+            str(paths["plot"]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     return completed, paths
 
 
@@ -40,22 +58,26 @@ def test_quick_tune_prints_the_plan_and_writes_its_evidence(quick_tune):
     assert f"plan: {plan.policy}" in completed.stdout and "to use it:" in completed.stdout
     assert plan.code.splitlines()[0] in completed.stdout
     assert "autotune: round 1/" in completed.stderr  # progress, with the time left
-    assert not [line for line in completed.stderr.splitlines()
-                if any(noise in line for noise in STARTUP_NOISE)]
+    assert not [
+        line for line in completed.stderr.splitlines() if any(noise in line for noise in STARTUP_NOISE)
+    ]
     assert paths["markdown"].read_text().startswith(f"# Precision plan: {plan.policy}")
     assert paths["plot"].read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["tune", "--model", "resnet"], "argument --model: 'resnet': use mlp, cnn, MODULE:FUNCTION"),
-    (["tune", "--policies", "float64"], "argument --policies: unknown policy 'float64'"),
-    (["tune", "--steps", "0"], "must be a positive integer; got '0'"),
-    (["tune", "--model", "no_such_module_xyz:build"], "no module named 'no_such_module_xyz'"),
-    (["tune", "--dataset", "imagenet"], "unknown dataset 'imagenet'"),
-    (["tune", "--tolerance", "2"], "--tolerance 2.0: must be in (0, 1]"),
-    (["tune", "--json", "x.csv"], "--json x.csv: the file name must end with .json"),
-    (["tune", "--plot", "x.txt"], "--plot x.txt: the file name must end with .png or .svg or .pdf"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["tune", "--model", "resnet"], "argument --model: 'resnet': use mlp, cnn, MODULE:FUNCTION"),
+        (["tune", "--policies", "float64"], "argument --policies: unknown policy 'float64'"),
+        (["tune", "--steps", "0"], "must be a positive integer; got '0'"),
+        (["tune", "--model", "no_such_module_xyz:build"], "no module named 'no_such_module_xyz'"),
+        (["tune", "--dataset", "imagenet"], "unknown dataset 'imagenet'"),
+        (["tune", "--tolerance", "2"], "--tolerance 2.0: must be in (0, 1]"),
+        (["tune", "--json", "x.csv"], "--json x.csv: the file name must end with .json"),
+        (["tune", "--plot", "x.txt"], "--plot x.txt: the file name must end with .png or .svg or .pdf"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_code_2_before_any_training(argv, expected, capsys):
     try:
         code = main(argv)
@@ -75,7 +97,6 @@ def test_help_and_argument_errors_do_not_import_tensorflow():
         "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
         "print('TF', 'tensorflow' in sys.modules)\n"
     )
-    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                               timeout=60)
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert completed.stdout.strip().splitlines()[-1] == "TF False", completed.stderr
     assert "--quick" in completed.stdout and "float32" in completed.stdout

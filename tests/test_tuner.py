@@ -5,9 +5,9 @@ from __future__ import annotations
 import keras
 import keras_tuner as kt
 import pytest
+from helpers import classification_data
 
 import mp_callbacks as mp
-from helpers import classification_data
 from mp_callbacks.tuner import MixedPrecisionHyperModel, policy_scope
 
 X, Y = classification_data(n=96)
@@ -41,10 +41,14 @@ def test_search_with_the_three_callbacks_and_epoch_time_objective(kind, tmp_path
     tuner = TUNERS[kind](
         hypermodel=MixedPrecisionHyperModel(build_model, policies=["float32", "mixed_bfloat16"]),
         objective=kt.Objective("epoch_time", "min"),
-        directory=str(tmp_path), project_name=kind, overwrite=True, seed=1,
+        directory=str(tmp_path),
+        project_name=kind,
+        overwrite=True,
+        seed=1,
     )
-    tuner.search(X, Y, epochs=2, batch_size=16, validation_data=(X_VAL, Y_VAL),
-                 callbacks=callbacks, verbose=0)
+    tuner.search(
+        X, Y, epochs=2, batch_size=16, validation_data=(X_VAL, Y_VAL), callbacks=callbacks, verbose=0
+    )
 
     completed = [t for t in tuner.oracle.trials.values() if t.status == "COMPLETED"]
     assert len(completed) >= 2
@@ -67,13 +71,26 @@ def test_search_with_the_three_callbacks_and_epoch_time_objective(kind, tmp_path
 
 def test_accuracy_and_epoch_time_together_and_loss_scale_space_for_float16_trials_only(tmp_path):
     tuner = kt.GridSearch(
-        MixedPrecisionHyperModel(build_model, policies=["float32", "mixed_float16"],
-                                 loss_scale_space={"initial_scale": [256.0, 1024.0]}),
+        MixedPrecisionHyperModel(
+            build_model,
+            policies=["float32", "mixed_float16"],
+            loss_scale_space={"initial_scale": [256.0, 1024.0]},
+        ),
         objective=[kt.Objective("val_accuracy", "max"), kt.Objective("epoch_time", "min")],
-        max_trials=6, directory=str(tmp_path), project_name="multi", overwrite=True,
+        max_trials=6,
+        directory=str(tmp_path),
+        project_name="multi",
+        overwrite=True,
     )
-    tuner.search(X, Y, epochs=1, batch_size=32, validation_data=(X_VAL, Y_VAL),
-                 callbacks=[mp.EpochTimer(), mp.LossScaleMonitor()], verbose=0)
+    tuner.search(
+        X,
+        Y,
+        epochs=1,
+        batch_size=32,
+        validation_data=(X_VAL, Y_VAL),
+        callbacks=[mp.EpochTimer(), mp.LossScaleMonitor()],
+        verbose=0,
+    )
     seen = set()
     for trial in tuner.oracle.trials.values():
         assert trial.status == "COMPLETED"
@@ -91,19 +108,23 @@ def test_accuracy_and_epoch_time_together_and_loss_scale_space_for_float16_trial
 
 def test_policy_scope_restores_on_error():
     keras.config.set_dtype_policy("float32")
-    with pytest.raises(RuntimeError):
-        with policy_scope("mixed_bfloat16"):
-            assert keras.config.dtype_policy().name == "mixed_bfloat16"
-            raise RuntimeError("build failed")
+    with pytest.raises(RuntimeError), policy_scope("mixed_bfloat16"):
+        assert keras.config.dtype_policy().name == "mixed_bfloat16"
+        raise RuntimeError("build failed")
     assert keras.config.dtype_policy().name == "float32"
 
 
 @pytest.mark.parametrize(
     "kwargs, name",
-    [(dict(policies=["float64"]), "policies"), (dict(policies=[]), "policies"),
-     (dict(loss_scale_space={"scale": [1.0]}), "loss_scale_space"),
-     (dict(policies=["float32", "mixed_bfloat16"], loss_scale_space={"hysteresis": [1, 2]}),
-      "loss_scale_space")],
+    [
+        ({"policies": ["float64"]}, "policies"),
+        ({"policies": []}, "policies"),
+        ({"loss_scale_space": {"scale": [1.0]}}, "loss_scale_space"),
+        (
+            {"policies": ["float32", "mixed_bfloat16"], "loss_scale_space": {"hysteresis": [1, 2]}},
+            "loss_scale_space",
+        ),
+    ],
 )
 def test_bad_arguments_are_named(kwargs, name):
     with pytest.raises(ValueError, match=f"`{name}`"):
@@ -113,7 +134,8 @@ def test_bad_arguments_are_named(kwargs, name):
 def test_loss_scale_space_needs_a_mixed_precision_model():
     hypermodel = MixedPrecisionHyperModel(
         lambda hp: keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]),
-        policies=["mixed_float16"], loss_scale_space={"hysteresis": [1, 2]},
+        policies=["mixed_float16"],
+        loss_scale_space={"hysteresis": [1, 2]},
     )
     with pytest.raises(TypeError, match="MixedPrecisionModel"):
         hypermodel.build(kt.HyperParameters())
