@@ -7,8 +7,8 @@ import copy
 import csv
 
 import keras
-import numpy as np
 import pytest
+import tensorflow as tf
 from helpers import classification_data, tiny_classifier
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -28,6 +28,10 @@ def fitted(tmp_path_factory):
     timer = mp.EpochTimer(time_validation=True)
     csv_path = directory / "log.csv"
     tb_dir = directory / "tb"
+    batch_logs = []
+    recorder = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: batch_logs.append({k: float(v) for k, v in logs.items()})
+    )
     history = model.fit(
         x,
         y,
@@ -40,7 +44,8 @@ def fitted(tmp_path_factory):
             nan_monitor,
             timer,
             keras.callbacks.CSVLogger(str(csv_path)),
-            keras.callbacks.TensorBoard(str(tb_dir)),
+            keras.callbacks.TensorBoard(str(tb_dir), update_freq=1),
+            recorder,
         ],
     )
     return {
@@ -51,6 +56,7 @@ def fitted(tmp_path_factory):
         "timer": timer,
         "csv_path": csv_path,
         "tb_dir": tb_dir,
+        "batch_logs": batch_logs,
     }
 
 
@@ -80,18 +86,31 @@ def test_csv_logger_has_the_columns(fitted):
     assert all(float(r["epoch_time"]) > 0 for r in rows)
 
 
+def _scalars(events, tag):
+    return [(event.step, float(tf.make_ndarray(event.tensor_proto))) for event in events.Tensors(tag)]
+
+
 def test_tensorboard_event_files_hold_the_scalars(fitted):
+    """TensorBoard's own reader finds the step's figures, per batch with
+    update_freq=1 and per epoch, equal to what the logs held."""
     events = EventAccumulator(str(fitted["tb_dir"] / "train"), size_guidance={"tensors": 0})
     events.Reload()
     tags = set(events.Tags()["tensors"])
-    assert {"epoch_loss_scale", "epoch_epoch_time", "epoch_samples_per_sec"} <= tags
-    scales = [
-        float(keras.ops.convert_to_numpy(tf_event.tensor_proto.float_val[0]))
-        if tf_event.tensor_proto.float_val
-        else float(np.frombuffer(tf_event.tensor_proto.tensor_content, np.float32)[0])
-        for tf_event in events.Tensors("epoch_loss_scale")
+    assert {"batch_loss_scale", "batch_skipped_steps", "batch_grad_norm"} <= tags
+    assert {"epoch_loss_scale", "epoch_skipped_steps", "epoch_grad_norm", "epoch_epoch_time"} <= tags
+    history, batch_logs = fitted["history"], fitted["batch_logs"]
+    # 3 steps per epoch: growth every 5 steps doubles the scale after step 5.
+    assert _scalars(events, "batch_loss_scale") == [
+        (step, 32.0 if step < 5 else 64.0) for step in range(1, 3 * EPOCHS + 1)
     ]
-    assert scales == [32.0, 64.0, 64.0]
+    for name in ("skipped_steps", "grad_norm"):
+        assert [value for _, value in _scalars(events, f"batch_{name}")] == pytest.approx(
+            [logs[name] for logs in batch_logs]
+        )
+        assert _scalars(events, f"epoch_{name}") == [
+            (epoch, pytest.approx(value)) for epoch, value in enumerate(history[name])
+        ]
+    assert [value for _, value in _scalars(events, "epoch_loss_scale")] == [32.0, 64.0, 64.0]
     assert len(events.Tensors("epoch_epoch_time")) == EPOCHS
 
 

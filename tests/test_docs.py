@@ -49,6 +49,7 @@ def test_the_guide_has_pages_and_code():
         "distribution",
         "autotune",
         "bench-and-doctor",
+        "tensorboard",
     } <= set(guide)
     assert sum(len(code_blocks(page)) for page in PAGES) >= 20
 
