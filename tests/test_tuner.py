@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import keras
 import keras_tuner as kt
 import pytest
@@ -139,3 +144,35 @@ def test_loss_scale_space_needs_a_mixed_precision_model():
     )
     with pytest.raises(TypeError, match="MixedPrecisionModel"):
         hypermodel.build(kt.HyperParameters())
+
+
+@pytest.mark.slow
+def test_distributed_search_with_a_chief_and_two_workers_on_localhost(tmp_path):
+    """keras-tuner's own distribution (KERASTUNER_TUNER_ID / ORACLE_IP /
+    ORACLE_PORT), as the guide runs it: every trial completes, with its
+    policy and `epoch_time`, over both policies."""
+    example = os.path.join(
+        os.path.dirname(os.path.dirname(__file__)), "examples", "distributed_tuner_search.py"
+    )
+    environment = {key: value for key, value in os.environ.items() if not key.startswith("KERASTUNER_")}
+    done = subprocess.run(
+        [sys.executable, example, "--directory", str(tmp_path), "--max-trials", "4", "--timeout", "240"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**environment, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    logs = {path.name: path.read_text()[-1500:] for path in tmp_path.glob("*.log")}
+    assert done.returncode == 0, (done.stderr[-2000:], logs)
+    trials = json.loads((tmp_path / "trials.json").read_text())
+    assert len(trials) == 4 and {t["status"] for t in trials} == {"COMPLETED"}
+    assert sorted((t["policy"], t["units"]) for t in trials) == [
+        ("float32", 8),
+        ("float32", 16),
+        ("mixed_bfloat16", 8),
+        ("mixed_bfloat16", 16),
+    ]
+    assert all(t["epoch_time"] > 0 and 0 <= t["val_accuracy"] <= 1 for t in trials)
+    assert "4 trials on 2 workers" in done.stdout
+    # Both workers ran the search: each saves its tuner state as <tuner id>.json.
+    assert {"worker0.json", "worker1.json"} <= {path.name for path in (tmp_path / "distributed").iterdir()}
