@@ -147,21 +147,21 @@ class LossScaler(tf.Module):
 
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     optimizer = keras.optimizers.SGD(0.1)
-    loss_scale = LossScaler(initial_scale=2.0**10)
+    scaler = LossScaler(initial_scale=2.0**10)
 
     @tf.function
     def train_step(x, y):
         with tf.GradientTape() as tape:
             loss = keras.losses.mean_squared_error(y, model(x))
             loss = tf.reduce_mean(loss)
-            scaled_loss = loss_scale.scale(loss)
+            scaled_loss = scaler.scale(loss)
         grads = tape.gradient(scaled_loss, model.trainable_variables)
-        grads = loss_scale.unscale(grads)
-        return loss_scale.apply_gradients(
+        grads = scaler.unscale(grads)
+        return scaler.apply_gradients(
             optimizer, grads, model.trainable_variables, loss=loss)
 
     applied = train_step(tf.ones((8, 4)), tf.zeros((8, 1)))
-    print(bool(applied), loss_scale.get_scale())  # True 1024.0
+    print(bool(applied), scaler.get_scale())  # True 1024.0
     ```
     """
 
@@ -603,9 +603,9 @@ class LossScaler(tf.Module):
 
             with tf.GradientTape() as tape:
                 loss = ...
-                scaled_loss = loss_scale.scale(loss)
+                scaled_loss = scaler.scale(loss)
             grads = tape.gradient(scaled_loss, variables)
-            loss_scale.step(optimizer, grads, variables, loss=loss)
+            scaler.step(optimizer, grads, variables, loss=loss)
 
         Gradients already passed through `unscale` in this step (clipped
         since, say) are not divided again: see `unscale` for the rule.

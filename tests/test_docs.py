@@ -107,3 +107,31 @@ def test_the_readme_quick_start_runs_as_written(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     printed = result.stdout.strip().splitlines()[-1]
     assert printed.startswith("[") and printed.count("[") == 3  # three per-epoch lists
+
+
+MEASURED = re.compile(r"\b\d+\.\d+x\b|\b[01]\.\d{3}\b")  # a speed ratio (1.38x) or an overhead ratio (1.015)
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+MACHINE = re.compile(r"\b(Intel|AMD|ARM|Apple|Graviton|T4|A100|V100|H100)\b")
+
+
+def _measured_blocks(text: str):
+    """Each ```text block and each Markdown table holding a measured ratio,
+    with the text before it (its introduction)."""
+    pattern = re.compile(r"^```text\n.*?^```|(?:^\|.*\|\n)+", re.S | re.M)
+    for match in pattern.finditer(text):
+        if MEASURED.search(match.group(0)):
+            yield match.group(0), text[max(0, match.start() - 700) : match.start()]
+
+
+@pytest.mark.parametrize(
+    "page", [DOCS.parent / "README.md", *PAGES], ids=lambda p: str(p.relative_to(DOCS.parent))
+)
+def test_every_measured_figure_names_its_date_and_machine(page):
+    """Figures differ from machine to machine and day to day: a table or an
+    output that quotes a measured speed says when and where, in itself or in
+    the text that introduces it."""
+    for block, introduction in _measured_blocks(page.read_text()):
+        for what, pattern in (("a date", DATE), ("a CPU or GPU model", MACHINE)):
+            assert pattern.search(block) or pattern.search(introduction), (
+                f"{page.name}: a measured figure without {what}:\n{block[:300]}"
+            )
