@@ -9,9 +9,10 @@
 #   KEEP=1 tools/mutation_test.sh loss_scale "*from_argument*"   # some mutants; keep the copy
 #                                                # (then: cd <copy> && mutmut show NAME)
 #
-# setup.cfg's [mutmut] section holds the shared settings and the lines not
-# mutated; [tool:mutation_test] the functions not mutated. "No tests"
-# mutants count as survivors.
+# setup.cfg's [mutmut] section holds the shared settings and the text not
+# mutated (messages, logging); tools/mutation_marks.py finds placeholders and
+# logging-only branches by what they do; [tool:mutation_test] names the
+# functions not mutated. "No tests" mutants count as survivors.
 set -euo pipefail
 module="${1:?usage: tools/mutation_test.sh MODULE [MUTANT_GLOB] (MODULE: a file of mp_callbacks/, such as loss_scale or _gated_update)}"
 glob="${2:-}"
@@ -47,11 +48,18 @@ cd "$work"
 # machine's update, apply_gradients, the gradient check) is decorated with
 # `@_no_autograph`. In the copy the decorator is applied at the end of the
 # module instead, so that mutmut mutates these methods too.
-python - "mp_callbacks/$module.py" <<'PY'
+python - "mp_callbacks/$module.py" "$repo/tools" <<'PY'
 import re, sys
 path = sys.argv[1]
+sys.path.insert(0, sys.argv[2])
+from mutation_marks import unmutated_lines
+# Placeholders and logging-only branches (by what they do), marked first,
+# while the line numbers are the module's own.
+source = open(path).read().split("\n")
+for number in unmutated_lines("\n".join(source)):
+    source[number - 1] += "  # pragma: no mutate"
 out, wrapped, cls, decorated = [], [], None, False
-for line in open(path).read().split("\n"):
+for line in source:
     match = re.match(r"class (\w+)", line)
     cls = match.group(1) if match else cls
     if line.strip() == "@_no_autograph":
