@@ -10,6 +10,11 @@ runs. Prints each contender's median step time and its ratios to stock
 Keras: the median of each round's own ratio ("paired"), and the ratios of
 the medians, of the lower quartiles and of the fastest steps.
 
+It also times stock Keras's optimizer update alone (the same gradients
+every time, interleaved with the steps) and prints its share of the stock
+step: the skip's cost lies in the update, so a figure from one machine can
+be read on another through that share.
+
 Contenders: stock `keras.Model`, `MixedPrecisionModel.from_model` on a copy
 of the same layers, (`--peer`) stock `keras.Model` with Keras's own
 `LossScaleOptimizer`, which skips non-finite steps with a `tf.cond`, and
@@ -64,6 +69,24 @@ def contenders(build, optimizer, peer: bool, revisions=()) -> dict[str, keras.Mo
     return models
 
 
+UPDATE = "stock update alone"
+
+
+def stock_update(model, batch):
+    """Stock's optimizer update alone, as one call: the gradients of `batch`
+    (computed once) applied to the model's variables."""
+    x, y = batch
+    with tf.GradientTape() as tape:
+        loss = model.compute_loss(x=x, y=y, y_pred=model(x, training=True))
+    gradients = tape.gradient(loss, model.trainable_variables)
+
+    @tf.function
+    def update():
+        model.optimizer.apply(gradients, model.trainable_variables)
+
+    return update
+
+
 def interleaved_steps(models, batches, steps: int) -> dict[str, list[float]]:
     steps_of = {}
     for name, model in models.items():
@@ -73,7 +96,10 @@ def interleaved_steps(models, batches, steps: int) -> dict[str, list[float]]:
         steps_of[name] = tf.function(model.train_step)
         for batch in batches[:3]:  # tracing and warm-up
             steps_of[name](batch)
-    names = list(models)
+    update = stock_update(models["stock"], batches[0])
+    update()
+    steps_of[UPDATE] = lambda batch: update()
+    names = list(steps_of)
     times = {name: [] for name in names}
     for i in range(steps):
         batch = batches[i % len(batches)]
@@ -120,6 +146,12 @@ def main(argv=None):
         f"TensorFlow {tf.__version__}, Keras {keras.__version__}"
     )
     times = interleaved_steps(models, batches, args.steps)
+    update = times.pop(UPDATE)
+    share = statistics.median(a / b for a, b in zip(update, times["stock"]))
+    print(
+        f"  optimizer update: {statistics.median(update) * 1e3:.2f} ms, "
+        f"{share:.1%} of the stock step (paired)"
+    )
     stock = sorted(times["stock"])
     for name, values in times.items():
         # Each round's own ratio, then their median: a drift of the machine

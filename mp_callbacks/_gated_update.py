@@ -10,10 +10,13 @@ changes state in a way that cannot be gated; the caller then uses the
 
 How: each write the optimizer makes through its `assign`, `assign_add` and
 `assign_sub`, its weight decay and its iteration counter is gated by a
-scalar `Select`, which forwards one input without copying. An increment to
-a small variable picks itself or a zero and is applied in place (adding
--0.0 or subtracting +0.0 changes no value); an overwrite, or an increment to
-a large variable, picks the new or the old value. With `forward_done` (a
+scalar `Select`, which forwards one input without copying. An increment
+picks itself or a zero and is applied in place, as Keras applies it (adding
+-0.0 or subtracting +0.0 changes no value): on a healthy step it reads and
+writes exactly what Keras's own write does. The zero of a small variable is
+a constant Grappler folds; a large one is a view of one zero buffer kept
+per optimizer, so no zero is filled per step. An overwrite picks the new or
+the old value (the old value is only forwarded, never copied). With `forward_done` (a
 scalar computed from the loss), a sparse increment is written as soon as its
 gradient exists, gated on it, and the rows it touches are read first and put
 back on a skip (`rows_to_put_back`).
@@ -29,19 +32,30 @@ without a cond, and what was measured: docs/design.md.
 from __future__ import annotations
 
 import contextlib
-import functools
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from mp_callbacks._backend import keras, tf
-from mp_callbacks._keras_internals import replaced_on_instance, tf_optimizer_class, uses_weight_decay
+from mp_callbacks._keras_internals import (
+    optimizer_built_variables,
+    replaced_on_instance,
+    tf_optimizer_class,
+    uses_weight_decay,
+)
 
 __all__ = ["gated_apply"]
 
-# Increments up to this size are gated against a shared zero and applied in
-# place; a larger zero would be filled anew every step, costing more than the
-# two ops saved (benchmarks/step_overhead.py --model resnet50).
-_IN_PLACE_MAX_ELEMENTS = 1 << 16
+# Zeros up to this size are constants Grappler folds; larger ones would be
+# filled anew every step (Grappler does not fold them), so they are views of
+# a zero buffer kept per optimizer instead.
+_FOLDED_ZERO_MAX_ELEMENTS = 1 << 16
+
+# Per optimizer, per (device, dtype, sign): one flat zero buffer, as large as
+# the optimizer's largest variable of that dtype. Views of it (a dim-0 slice
+# from 0, then a reshape) share its memory, so every large variable's zero
+# costs nothing per step, and the memory of one variable in all.
+_ZERO_BUFFERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # Stateful ops that only read state: they may appear anywhere in the update.
 _READ_ONLY_STATEFUL_OPS = frozenset(
@@ -60,9 +74,31 @@ def _tf_variable(variable: Any) -> Any:
     return variable.value if isinstance(variable, keras.Variable) else variable
 
 
-def _small(variable: Any) -> bool:
-    elements = _tf_variable(variable).shape.num_elements()
-    return elements is not None and elements <= _IN_PLACE_MAX_ELEMENTS
+def _zero_buffer(optimizer: Any, variable: Any, negative: bool) -> tf.Tensor | None:
+    """The optimizer's flat zero buffer for `variable`'s device and dtype
+    (an eager tensor the step captures), or None if the variable is larger
+    than every variable the optimizer was built with."""
+    target = _tf_variable(variable)
+    key = (target.device, target.dtype, negative)
+    buffers = _ZERO_BUFFERS.setdefault(optimizer, {})
+    if key not in buffers:
+        sizes = [
+            _tf_variable(v).shape.num_elements() or 0
+            for v in optimizer_built_variables(optimizer) + list(optimizer.variables)
+            if _tf_variable(v).dtype == target.dtype
+        ]
+        size = max([*sizes, target.shape.num_elements() or 0])
+        # Made eagerly, outside the step being traced, on the variable's own
+        # device: the step reads it as a captured input, never a copy. -0.0
+        # by negation: eager Python scalars are cached by value, and
+        # -0.0 == 0.0.
+        with tf.init_scope(), tf.device(target.device):
+            zeros = tf.zeros([size], target.dtype)
+            buffers[key] = -zeros if negative and target.dtype.is_floating else zeros
+    buffer = buffers[key]
+    if buffer.shape[0] < (target.shape.num_elements() or 0):
+        return None
+    return buffer
 
 
 class _NotGatable(Exception):
@@ -98,25 +134,42 @@ class _GatedWrites:
         old = target.value()
         target.assign(self._pick(combine(old), old), read_value=False)
 
-    def _neutral(self, like: tf.Tensor, negative: bool) -> tf.Tensor:
-        # A zero of the increment's shape, shared by every write of that
-        # shape: with a static shape it is a constant (Grappler folds the
-        # Fill), so healthy steps pay one Select per write and nothing more.
-        zero = (
-            tf.constant(-0.0 if negative else 0.0, like.dtype)
-            if like.dtype.is_floating
-            else tf.constant(0, like.dtype)
-        )
-        if not like.shape.is_fully_defined():
-            return tf.fill(tf.shape(like), zero)
-        key = (tuple(like.shape), like.dtype, negative)
+    def _neutral(self, variable: Any, negative: bool) -> tf.Tensor | None:
+        """A zero of `variable`'s shape: a folded constant when small (shared
+        by every write of that shape), else a view of the optimizer's zero
+        buffer; None if there is none large enough."""
+        target = _tf_variable(variable)
+        shape, dtype = target.shape, target.dtype
+        elements = shape.num_elements()
+        if elements is None:
+            return None
+        if elements > _FOLDED_ZERO_MAX_ELEMENTS:
+            buffer = _zero_buffer(self.optimizer, variable, negative)
+            if buffer is None:
+                return None
+            # A dim-0 slice from 0 and a reshape alias the buffer: no copy.
+            return tf.reshape(buffer[:elements], shape)
+        key = (tuple(shape), dtype, negative)
         if key not in self._neutrals:
-            self._neutrals[key] = tf.fill(like.shape, zero)
+            zero = (
+                tf.constant(-0.0 if negative else 0.0, dtype) if dtype.is_floating else tf.constant(0, dtype)
+            )
+            self._neutrals[key] = tf.fill(shape, zero)
         return self._neutrals[key]
 
-    def _increment(self, variable: Any, value: Any, negative: bool) -> tf.Tensor:
-        value = tf.cast(value, _tf_variable(variable).dtype)
-        return self._pick(value, self._neutral(value, negative))
+    def _gated_increment(self, variable: Any, value: Any, subtract: bool) -> None:
+        """Keras's own in-place `assign_add` / `assign_sub` of the value, or
+        of a zero on a skip (x + (-0.0) and x - (+0.0) are x, -0.0 included)."""
+        neutral = self._neutral(variable, negative=not subtract)
+        if neutral is None:
+            if subtract:
+                self._write(variable, lambda old: old - tf.cast(value, old.dtype))
+            else:
+                self._write(variable, lambda old: old + tf.cast(value, old.dtype))
+            return
+        gated = self._pick(tf.cast(value, _tf_variable(variable).dtype), neutral)
+        write = self.cls.assign_sub if subtract else self.cls.assign_add
+        write(self.optimizer, variable, gated)
 
     def assign(self, variable: Any, value: Any) -> None:
         with self.record():
@@ -154,26 +207,19 @@ class _GatedWrites:
         with self.record():
             if isinstance(value, tf.IndexedSlices):
                 self._sparse_increment(variable, value, subtract=False)
-                return
-            if not _small(variable):
-                self._write(variable, lambda old: old + tf.cast(value, old.dtype))
-                return
-            # In place like Keras's own assign_add; skipped, it adds -0.0.
-            self.cls.assign_add(self.optimizer, variable, self._increment(variable, value, True))
+            else:
+                self._gated_increment(variable, value, subtract=False)
 
     def assign_sub(self, variable: Any, value: Any) -> None:
         with self.record():
             if isinstance(value, tf.IndexedSlices):
                 self._sparse_increment(variable, value, subtract=True)
-                return
-            if not _small(variable):
-                self._write(variable, lambda old: old - tf.cast(value, old.dtype))
-                return
-            self.cls.assign_sub(self.optimizer, variable, self._increment(variable, value, False))
+            else:
+                self._gated_increment(variable, value, subtract=True)
 
     def apply_weight_decay(self, variables: list[Any]) -> None:
-        # Keras's TensorFlow `_apply_weight_decay`, gated: the same
-        # `variable - variable * wd * lr`, bit for bit.
+        # Keras's TensorFlow `_apply_weight_decay`, gated: the same in-place
+        # `variable.assign_sub(variable * wd * lr)`, bit for bit.
         optimizer = self.optimizer
         if optimizer.weight_decay is None:
             return
@@ -183,11 +229,7 @@ class _GatedWrites:
                     target = _tf_variable(variable)
                     lr = tf.cast(optimizer.learning_rate, target.dtype)
                     wd = tf.cast(optimizer.weight_decay, target.dtype)
-                    self._write(variable, functools.partial(_decayed, wd=wd, lr=lr))
-
-
-def _decayed(old: tf.Tensor, wd: tf.Tensor, lr: tf.Tensor) -> tf.Tensor:
-    return old - old * wd * lr
+                    self._gated_increment(variable, target.value() * wd * lr, subtract=True)
 
 
 def _routed(optimizer: Any, writes: _GatedWrites) -> Any:
@@ -249,6 +291,9 @@ def _writes_are_kerass_own(optimizer: Any) -> bool:
     )
 
 
+# Python control flow over the traced graph, never over tensors: AutoGraph
+# has nothing to convert (and cannot convert its context managers).
+@tf.autograph.experimental.do_not_convert
 def gated_apply(
     optimizer: Any,
     apply: Callable[[], None],

@@ -136,6 +136,12 @@ def uses_weight_decay(optimizer: Any, variable: Any) -> bool:
     return bool(optimizer._use_weight_decay(variable))
 
 
+def optimizer_built_variables(optimizer: Any) -> list[Any]:
+    """The variables `optimizer` was built for (`Optimizer._trainable_variables`),
+    or [] before it is built."""
+    return list(getattr(optimizer, "_trainable_variables", None) or [])
+
+
 def seed_generators_of(layer: Any) -> list[Any]:
     """The `SeedGenerator`s a layer tracks (a layer that draws random numbers)."""
     return list(getattr(layer, "_seed_generators", None) or [])
@@ -294,6 +300,13 @@ def _tf_weight_decay() -> bool:
     return _has(TFOptimizer, "_apply_weight_decay", "assign", "assign_add", "assign_sub")
 
 
+def _built_for_its_variables() -> bool:
+    variable = keras.Variable(np.zeros((3, 2), "float32"))
+    optimizer = keras.optimizers.SGD()
+    optimizer.build([variable])
+    return [v.shape for v in optimizer_built_variables(optimizer)] == [(3, 2)]
+
+
 def _object_registration() -> bool:
     from keras.src.saving import object_registration
 
@@ -315,6 +328,11 @@ INTERNALS = (
         "Optimizer._use_weight_decay(variable)",
         "_gated_update.py (gated weight decay)",
         lambda: _has(keras.optimizers.AdamW(), "_use_weight_decay"),
+    ),
+    Internal(
+        "Optimizer._trainable_variables",
+        "_gated_update.py (the zero buffer is as large as the largest variable)",
+        lambda: _built_for_its_variables(),
     ),
     Internal(
         "Layer._seed_generators",

@@ -34,12 +34,13 @@ OPTIMIZERS = {
 }
 
 
-@pytest.fixture(params=["in place", "select old"])
+@pytest.fixture(params=["folded zero", "kept zero"])
 def increments(request, monkeypatch):
-    """Both ways a dense increment is gated: in place against a zero (small
-    variables), or picking the new or the old value (large ones)."""
-    if request.param == "select old":
-        monkeypatch.setattr(_gated_update, "_IN_PLACE_MAX_ELEMENTS", 0)
+    """Both zeros a dense increment is gated against, in place: a constant
+    Grappler folds (small variables), or a view of the optimizer's kept
+    zero buffer (large ones)."""
+    if request.param == "kept zero":
+        monkeypatch.setattr(_gated_update, "_FOLDED_ZERO_MAX_ELEMENTS", 0)
     return request.param
 
 
@@ -401,6 +402,8 @@ def _write_ops() -> dict[str, int]:
         writes.update(
             subtract=types.count("AssignSubVariableOp"),
             assign=types.count("AssignVariableOp"),
+            fills=types.count("Fill"),
+            views=types.count("StridedSlice"),
             variables=len(model.trainable_variables),
         )
 
@@ -408,16 +411,32 @@ def _write_ops() -> dict[str, int]:
     return writes
 
 
-def test_small_increments_are_applied_in_place_and_large_ones_replace_the_value(monkeypatch):
-    # In place saves two ops per write where a zero is cheap; a large
-    # variable keeps the read-select-assign form (see _IN_PLACE_MAX_ELEMENTS).
-    in_place = _write_ops()
-    monkeypatch.setattr(_gated_update, "_IN_PLACE_MAX_ELEMENTS", 0)
-    replaced = _write_ops()
-    count = in_place["variables"]
-    assert in_place["subtract"] == count
-    assert replaced["subtract"] == 0
-    assert replaced["assign"] == in_place["assign"] + count
+def test_increments_are_applied_in_place_against_a_folded_or_a_kept_zero(monkeypatch):
+    # Small variables: a constant zero Grappler folds. Large ones: a view of
+    # the optimizer's zero buffer, captured, so nothing is filled per step.
+    folded = _write_ops()
+    monkeypatch.setattr(_gated_update, "_FOLDED_ZERO_MAX_ELEMENTS", 0)
+    kept = _write_ops()
+    count = folded["variables"]
+    assert folded["subtract"] == kept["subtract"] == count
+    assert folded["assign"] == kept["assign"]  # the iteration counter only
+    assert folded["fills"] > 0 and kept["fills"] == 0
+    assert folded["views"] == 0 and kept["views"] == count
+
+
+def test_one_zero_buffer_per_optimizer_dtype_and_sign_as_large_as_its_largest_variable(monkeypatch):
+    monkeypatch.setattr(_gated_update, "_FOLDED_ZERO_MAX_ELEMENTS", 0)
+    model = _model(sparse=False)
+    optimizer = keras.optimizers.Adam()
+    _trace_gated_step(model, optimizer, False, lambda *_: None)
+    buffers = _gated_update._ZERO_BUFFERS[optimizer]
+    largest = max(int(np.prod(v.shape)) for v in model.trainable_variables)
+    # Adam adds to its moments (-0.0) and subtracts from the weights (+0.0).
+    assert sorted(key[2] for key in buffers) == [False, True]
+    for buffer in buffers.values():
+        assert buffer.shape == (largest,) and not np.any(buffer.numpy())
+    signs = {negative: np.signbit(buffer.numpy()).all() for (_, _, negative), buffer in buffers.items()}
+    assert signs == {True: True, False: False}
 
 
 def _data_ancestry(ops) -> callable:
