@@ -69,6 +69,7 @@ def _data(samples=256, scale=5.0, offset=0.0):
     return x, np.argmax(x[:, :CLASSES], axis=1).astype("int64")
 
 
+@pytest.mark.slow
 def test_the_layer_that_overflows_and_no_other_is_pinned_and_the_plan_trains():
     x, y = _data()
     plan = mp.autotune(
@@ -161,6 +162,7 @@ def test_listed_candidates_are_chosen_from_whatever_their_speed():
     assert evidence[1]["speed"] == "slower" and evidence[1]["speedup"] == pytest.approx(0.2)
 
 
+@pytest.mark.slow
 def test_the_candidates_follow_the_hardware_measurement():
     # A CPU with no bfloat16 and emulated float16, and one with fast bfloat16.
     slow = mp.inspect_hardware(speed={"float32": 1.0, "mixed_bfloat16": 0.2, "mixed_float16": 0.01})

@@ -32,6 +32,7 @@ except ValueError as error:
 """
 
 
+@pytest.mark.slow
 def test_a_revision_imports_under_its_own_name_beside_the_work_tree():
     head = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], check=True, capture_output=True, text=True

@@ -85,6 +85,7 @@ def _growing_model(name: str = "a"):
     return model
 
 
+@pytest.mark.slow
 def test_loss_scale_monitor_reused_across_fits_and_models_reads_the_live_scale():
     x, y = classification_data(n=16)
     model = _growing_model()

@@ -61,6 +61,7 @@ def quick_bench(tmp_path_factory):
     return completed, paths
 
 
+@pytest.mark.slow
 def test_quick_bench_compares_every_policy_the_probe_does_not_rule_out(quick_bench):
     completed, paths = quick_bench
     assert completed.returncode == 0, completed.stderr[-2000:]
@@ -89,6 +90,7 @@ def test_quick_bench_compares_every_policy_the_probe_does_not_rule_out(quick_ben
     assert {"tensorflow", "keras", "mp_callbacks", "python"} <= set(document["versions"])
 
 
+@pytest.mark.slow
 def test_estimated_step_memory_shows_what_mixed_precision_changes(quick_bench):
     _, paths = quick_bench
     rows = {r["policy"]: r["estimated_step_memory"] for r in json.loads(paths["json"].read_text())["results"]}
@@ -101,6 +103,7 @@ def test_estimated_step_memory_shows_what_mixed_precision_changes(quick_bench):
     assert bfloat16["total"] < float32["total"]
 
 
+@pytest.mark.slow
 def test_quick_bench_prints_table_verdict_and_writes_markdown_and_plot(quick_bench):
     completed, paths = quick_bench
     document = json.loads(paths["json"].read_text())
@@ -118,6 +121,7 @@ def test_quick_bench_prints_table_verdict_and_writes_markdown_and_plot(quick_ben
     assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_no_tensorflow_start_up_lines_reach_the_terminal(quick_bench):
     # Seven processes (the command and six training runs) each print these
     # at start-up; none gets through, and the runs' own progress does.
@@ -180,6 +184,7 @@ def user_module(tmp_path_factory):
 SMALL = ["--policies", "float32", "mixed_bfloat16", "--epochs", "2", "--train-samples", "512"]
 
 
+@pytest.mark.slow
 def test_bench_of_a_model_in_a_file(user_module, tmp_path, capsys):
     out = tmp_path / "file.json"
     code = main(["bench", "--model", f"{user_module}:build_compiled", *SMALL, "--quiet", "--json", str(out)])
@@ -193,6 +198,7 @@ def test_bench_of_a_model_in_a_file(user_module, tmp_path, capsys):
     assert capsys.readouterr().out.startswith(f"{user_module}:build_compiled on built-in")
 
 
+@pytest.mark.slow
 def test_python_api_benches_a_module_function_with_the_same_rows(user_module, tmp_path):
     import bench_user_models
 
@@ -355,6 +361,7 @@ def test_bad_input_gives_one_line_and_exit_code_2(argv_builder, expected, tmp_pa
     assert expected in stderr and "Traceback" not in stderr
 
 
+@pytest.mark.slow
 def test_mnist_that_cannot_be_downloaded_is_a_clear_error(tmp_path):
     env = dict(
         os.environ,
@@ -426,6 +433,7 @@ def test_help_texts_stand_on_their_own():
         assert "seed's" not in text and "the seed" not in text and "§" not in text
 
 
+@pytest.mark.slow
 def test_version_without_a_command():
     completed = _cli("--version", timeout=60)
     assert completed.returncode == 0
@@ -434,6 +442,7 @@ def test_version_without_a_command():
 
 
 # --------------------------------------------------------------- doctor
+@pytest.mark.slow
 def test_doctor_json_reports_measured_ratios_and_advice_that_follows_them():
     completed = _cli("doctor", "--json", timeout=300)
     assert completed.returncode == 0, completed.stderr
@@ -451,6 +460,7 @@ def test_doctor_json_reports_measured_ratios_and_advice_that_follows_them():
         assert noise not in completed.stderr
 
 
+@pytest.mark.slow
 def test_doctor_text_and_no_probe():
     text = _cli("doctor", timeout=300)
     assert text.returncode == 0

@@ -82,6 +82,7 @@ def test_vae_with_keras_3s_scale_loss_skips_the_poisoned_step():
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
 
 
+@pytest.mark.slow
 def test_wgan_gp_skips_every_critic_update_of_the_poisoned_step():
     keras.config.set_dtype_policy("mixed_float16")
     model = wgan_gp()

@@ -26,6 +26,7 @@ def _replica_values(variable):
     return [v.numpy() for v in values] if values is not None else [variable.numpy()]
 
 
+@pytest.mark.slow
 def test_dynamic_loss_scale_alone_in_a_custom_loop_under_mirrored(two_cpu_strategy):
     strategy = two_cpu_strategy
     rng = np.random.default_rng(0)

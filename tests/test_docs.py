@@ -86,6 +86,7 @@ def run_in_a_new_process(page: Path) -> list[str]:
     return done.stdout.splitlines()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", [p for p in PAGES if code_blocks(p)], ids=lambda p: str(p.relative_to(DOCS)))
 def test_page_code_runs_and_prints_what_it_says(page):
     run = run_in_a_new_process if "tf.distribute." in page.read_text() else run_in_this_process
@@ -94,6 +95,7 @@ def test_page_code_runs_and_prints_what_it_says(page):
     assert printed == expected
 
 
+@pytest.mark.slow
 def test_the_readme_quick_start_runs_as_written(tmp_path):
     # A new user copies it into a file and runs it: nothing is defined for it.
     readme = (DOCS.parent / "README.md").read_text()

@@ -26,6 +26,7 @@ def _run(script, *args, tmp_path):
     return completed.stdout + completed.stderr
 
 
+@pytest.mark.slow
 def test_mnist_example_reproduces_the_seed_offline(tmp_path):
     output = _run("mnist_mixed_precision.py", "--epochs", "2", "--train-samples", "2000", tmp_path=tmp_path)
     assert "built-in synthetic digits" in output
@@ -35,6 +36,7 @@ def test_mnist_example_reproduces_the_seed_offline(tmp_path):
     assert accuracy > 0.5
 
 
+@pytest.mark.slow
 def test_mnist_example_under_mixed_float16_uses_dynamic_scaling(tmp_path):
     # Emulated float16 is slow on CPU: a few hundred samples, one epoch.
     output = _run(
@@ -53,6 +55,7 @@ def test_mnist_example_under_mixed_float16_uses_dynamic_scaling(tmp_path):
     assert re.search(r"loss scale (\d+)", output).group(1) == "32768"
 
 
+@pytest.mark.slow
 def test_custom_training_loop_example(tmp_path):
     output = _run("custom_training_loop.py", "--epochs", "2", "--train-samples", "2000", tmp_path=tmp_path)
     accuracies = [float(a) for a in re.findall(r"test accuracy (\d\.\d+)", output)]
@@ -89,6 +92,7 @@ def test_tuner_search_example(tmp_path):
     assert re.search(r"^fastest within 0.5 points of it: ", output, flags=re.M)
 
 
+@pytest.mark.slow
 def test_find_the_overflow_example_names_the_layer_and_trains_after_the_fix(tmp_path):
     output = _run("find_the_overflow.py", "--samples", "256", "--epochs", "2", tmp_path=tmp_path)
     assert "NonFiniteGradientError" in output
@@ -98,6 +102,7 @@ def test_find_the_overflow_example_names_the_layer_and_trains_after_the_fix(tmp_
     assert [float(s) for s in skipped.split(",")] == [0.0, 0.0]
 
 
+@pytest.mark.slow
 def test_custom_train_step_example_skips_the_poisoned_step_and_keeps_the_weights(tmp_path):
     output = _run(
         "custom_train_step.py",
@@ -118,6 +123,7 @@ def test_custom_train_step_example_skips_the_poisoned_step_and_keeps_the_weights
     assert re.search(r"d_loss: .* g_loss: .* grad_norm: .* loss_scale: .* skipped_steps: 1", output)
 
 
+@pytest.mark.slow
 def test_autotune_example_pins_each_policys_trap_and_only_it(tmp_path):
     plan_path = tmp_path / "plan.json"
     output = _run(

@@ -148,6 +148,7 @@ def _assert_gated_exactly(make_optimizer, sparse: bool, forward_done: bool = Fal
     return before, stock
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_every_builtin_optimizer_is_gated_bit_for_bit(name, increments):
     make = OPTIMIZERS[name]

@@ -35,6 +35,7 @@ def _run(build, data, monitor=None):
     return [history[k] for k in sorted(history) if not k.startswith("headroom")], model.get_weights()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["functional", "vae"])
 def test_the_probe_changes_nothing_it_measures(case):
     keras.config.set_dtype_policy("mixed_float16")

@@ -16,6 +16,7 @@ import mp_callbacks as mp
 # ------------------------------------------------------------- optimizers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["no XLA", "XLA"])
 @pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
 def test_gradient_accumulation_trains_as_stock_and_skips_a_poisoned_step(policy, jit_compile):
@@ -131,6 +132,7 @@ def test_copies_compute_every_layer_in_float32_with_the_same_predictions(copy, b
     np.testing.assert_array_equal(copied.predict(_X, verbose=0), reference.predict(_X, verbose=0))
 
 
+@pytest.mark.slow
 def test_copies_of_an_adapted_normalization_keep_normalizing():
     keras.mixed_precision.set_global_policy("float32")
     model = _layered_model(mp.MixedPrecisionModel)
@@ -465,6 +467,7 @@ def pooled_digits():
     return keras.Model(inputs, outputs)
 
 
+@pytest.mark.slow
 def test_bench_drops_a_policy_whose_run_fails_and_says_why():
     from mp_callbacks_bench.api import run_bench
 

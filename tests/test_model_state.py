@@ -130,6 +130,7 @@ def test_weights_load_into_a_plain_keras_model_for_serving(tmp_path):
     assert again.get_scale() == 64.0
 
 
+@pytest.mark.slow
 def test_export_serves_without_mp_callbacks(tmp_path):
     model = _trained(mp.LossScaler(initial_scale=64.0))
     x, _ = classification_data(n=4)

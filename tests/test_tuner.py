@@ -38,6 +38,7 @@ TUNERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(TUNERS))
 def test_search_with_the_three_callbacks_and_epoch_time_objective(kind, tmp_path):
     POLICIES_AT_BUILD.clear()
@@ -74,6 +75,7 @@ def test_search_with_the_three_callbacks_and_epoch_time_objective(kind, tmp_path
     assert best.get_layer("hidden").compute_dtype == expected
 
 
+@pytest.mark.slow
 def test_accuracy_and_epoch_time_together_and_loss_scale_space_for_float16_trials_only(tmp_path):
     tuner = kt.GridSearch(
         MixedPrecisionHyperModel(
