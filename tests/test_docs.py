@@ -119,7 +119,7 @@ MACHINE = re.compile(r"\b(Intel|AMD|ARM|Apple|Graviton|T4|A100|V100|H100)\b")
 def _measured_blocks(text: str):
     """Each ```text block and each Markdown table holding a measured ratio,
     with the text before it (its introduction)."""
-    pattern = re.compile(r"^```text\n.*?^```|(?:^\|.*\|\n)+", re.S | re.M)
+    pattern = re.compile(r"^```text\n.*?^```|(?:^\|[^\n]*\|\n)+", re.S | re.M)
     for match in pattern.finditer(text):
         if MEASURED.search(match.group(0)):
             yield match.group(0), text[max(0, match.start() - 700) : match.start()]
