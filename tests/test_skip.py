@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mp_callbacks._skip import apply_or_skip
+from mp_callbacks._skip import apply_or_skip, restore_if_skipped
 
 OPTIMIZERS = {
     "SGD-momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
@@ -118,3 +118,43 @@ def test_the_cross_replica_form_is_the_conds_update(applied, two_cpu_strategy):
         np.testing.assert_allclose(
             np.frombuffer(ours, theirs.dtype).reshape(theirs.shape), theirs, rtol=1e-6, atol=1e-7
         )
+
+
+@pytest.mark.parametrize("applied", [True, False], ids=["applied", "skipped"])
+def test_restore_if_skipped_puts_the_values_back_on_a_skip_only(applied):
+    statistic = tf.Variable([1.0, -0.0, 3.0])
+    counter = tf.Variable(7, dtype=tf.int64)
+
+    @tf.function
+    def step(applied):
+        before = [tf.identity(statistic), tf.identity(counter)]
+        statistic.assign([np.nan, 2.0, 2.0])  # as a forward pass writes it
+        counter.assign_add(1)
+        restore_if_skipped(applied, [(statistic, before[0]), (counter, before[1])])
+
+    step(tf.constant(applied))
+    expected = ([np.nan, 2.0, 2.0], 8) if applied else ([1.0, -0.0, 3.0], 7)
+    np.testing.assert_array_equal(statistic.numpy(), expected[0])
+    assert int(counter.numpy()) == expected[1]
+    if not applied:
+        assert np.signbit(statistic.numpy()[1]), "the old value comes back bit for bit"
+
+
+@pytest.mark.parametrize("applied", [True, False], ids=["applied", "skipped"])
+def test_restore_if_skipped_under_a_strategy_restores_every_replica(applied, two_cpu_strategy):
+    with two_cpu_strategy.scope():
+        statistic = tf.Variable(
+            [1.0, 2.0],
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.MEAN,
+        )
+
+    @tf.function
+    def replica_step(applied):
+        before = tf.identity(statistic.read_value())
+        statistic.assign([5.0, 6.0])
+        restore_if_skipped(applied, [(statistic, before)])
+
+    two_cpu_strategy.run(replica_step, args=(tf.constant(applied),))
+    values = [v.numpy().tolist() for v in two_cpu_strategy.experimental_local_results(statistic)]
+    assert values == ([[5.0, 6.0]] * 2 if applied else [[1.0, 2.0]] * 2)
