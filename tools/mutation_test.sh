@@ -8,6 +8,7 @@
 #   tools/mutation_test.sh loss_scale_monitor    # likewise any module
 #   KEEP=1 tools/mutation_test.sh loss_scale "*from_argument*"   # some mutants; keep the copy
 #                                                # (then: cd <copy> && mutmut show NAME)
+#   TESTS="tests/test_loss_scale.py" tools/mutation_test.sh loss_scale   # these tests only
 #
 # setup.cfg's [mutmut] section holds the shared settings and the text not
 # mutated (messages, logging); tools/mutation_marks.py finds placeholders and
@@ -18,9 +19,11 @@ module="${1:?usage: tools/mutation_test.sh MODULE [MUTANT_GLOB] (MODULE: a file 
 glob="${2:-}"
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 [ -f "$repo/mp_callbacks/$module.py" ] || { echo "tools/mutation_test.sh: error: no module mp_callbacks/$module.py" >&2; exit 2; }
-# The module's tests, derived: tests/test_<module>*.py (tests mirror the
-# modules), and every test file that names one of the module's public names.
-tests="$(cd "$repo" && python - "$module" <<'PY'
+# The module's tests, derived unless TESTS names them: tests/test_<module>*.py
+# (tests mirror the modules), and every test file whose code (not its text)
+# names the module or one of its public names. Tests marked slow are left
+# out (setup.cfg's pytest_add_cli_args): they are whole fits and examples.
+tests="${TESTS:-$(cd "$repo" && python - "$module" <<'PY'
 import ast, pathlib, sys
 module = sys.argv[1]
 tree = ast.parse(pathlib.Path(f"mp_callbacks/{module}.py").read_text())
@@ -31,12 +34,19 @@ for node in tree.body:
 stem = module.lstrip("_")
 found = []
 for path in sorted(pathlib.Path("tests").glob("test_*.py")):
-    text = path.read_text()
-    if path.name.startswith(f"test_{stem}") or any(name in text for name in names):
+    used = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Name):
+            used.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            used.add(node.attr)
+        elif isinstance(node, ast.alias):
+            used.update(node.name.split("."))
+    if path.name.startswith(f"test_{stem}") or module in used or used & names:
         found.append(str(path))
 print(" ".join(found))
 PY
-)"
+)}"
 echo "tests: $tests"
 python -m pip install --quiet "mutmut==3.8.1"
 work="$(mktemp -d)"
