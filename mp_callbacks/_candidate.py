@@ -82,6 +82,7 @@ def build_model(
     pinned layers in float32 and the initial loss scale, compiled (Adam,
     sparse categorical cross-entropy and accuracy when it was not)."""
     from mp_callbacks._backend import keras
+    from mp_callbacks._keras_internals import has_layer_graph
     from mp_callbacks.loss_scale import LossScaler
     from mp_callbacks.model import MixedPrecisionModel
     from mp_callbacks.precision_plan import pin_float32
@@ -98,9 +99,7 @@ def build_model(
             compile_config = keras.saving.deserialize_keras_object(model.get_compile_config())
             optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
             compile_config["optimizer"] = type(optimizer).from_config(optimizer.get_config())
-        if not isinstance(model, MixedPrecisionModel) and (
-            isinstance(model, keras.Sequential) or hasattr(model, "_run_through_graph")
-        ):
+        if not isinstance(model, MixedPrecisionModel) and (has_layer_graph(model)):
             model = MixedPrecisionModel.from_model(model)
         if compile_config is None:
             compile_config = {

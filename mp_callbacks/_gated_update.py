@@ -42,6 +42,7 @@ from mp_callbacks._keras_internals import (
     replaced_on_instance,
     tf_optimizer_class,
     uses_weight_decay,
+    weight_decay_replacement,
 )
 
 __all__ = ["gated_apply"]
@@ -236,10 +237,7 @@ def _routed(optimizer: Any, writes: _GatedWrites) -> Any:
     """The optimizer's writes routed through the gated ones for the duration
     (fenced in `_keras_internals.replaced_on_instance`)."""
     replacements = {name: getattr(writes, name) for name in ("assign", "assign_add", "assign_sub")}
-    own: Any = type(optimizer)
-    keras_own: Any = tf_optimizer_class()
-    if own._apply_weight_decay is keras_own._apply_weight_decay:
-        replacements["_apply_weight_decay"] = writes.apply_weight_decay
+    replacements.update(weight_decay_replacement(optimizer, writes.apply_weight_decay))
     return replaced_on_instance(optimizer, replacements)
 
 

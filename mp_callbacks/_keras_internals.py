@@ -55,6 +55,139 @@ def all_layers(layer: Any, include_self: bool = False, recursive: bool = True) -
     return list(layer._flatten_layers(include_self=include_self, recursive=recursive))
 
 
+def is_functional(model: Any) -> bool:
+    """Whether `model` runs a functional graph of layers (a `Functional`,
+    which has `_run_through_graph`; a `Sequential` is told apart by the
+    caller where it counts too)."""
+    return hasattr(model, "_run_through_graph")
+
+
+def has_layer_graph(model: Any) -> bool:
+    """A Sequential or functional model: one whose layers form a graph."""
+    return isinstance(model, keras.Sequential) or is_functional(model)
+
+
+def producing_layer(tensor: Any) -> Any:
+    """The layer that produced a symbolic tensor (`KerasTensor._keras_history`),
+    or None for a tensor without one."""
+    history = getattr(tensor, "_keras_history", None)
+    return None if history is None else history[0]
+
+
+def inbound_tensors(layer: Any) -> list[Any]:
+    """The symbolic tensors `layer` was called on, over all its calls
+    (`Layer._inbound_nodes[].input_tensors`), those with a producer only."""
+    return [
+        tensor
+        for node in getattr(layer, "_inbound_nodes", [])
+        for tensor in getattr(node, "input_tensors", [])
+        if producing_layer(tensor) is not None
+    ]
+
+
+def layer_dtype_policy(layer: Any) -> Any:
+    """The layer's own dtype policy object (`Layer._dtype_policy`: for a
+    layer of a quantized model, the map itself), or None."""
+    return getattr(layer, "_dtype_policy", None)
+
+
+def set_layer_dtype_policy(layer: Any, policy: Any) -> None:
+    """Sets the layer's own policy object as it is, without the public
+    setter's side effects (which edit a `DTypePolicyMap` and may quantize),
+    so that putting the old one back restores the layer exactly."""
+    layer._dtype_policy = policy
+
+
+def loss_tracker(model: Any) -> Any:
+    """Keras's `Mean` of the training loss (`Trainer._loss_tracker`),
+    weighted by batch size in Keras's own train_step; None before compile."""
+    return getattr(model, "_loss_tracker", None)
+
+
+def call_has_training_arg(model: Any) -> bool:
+    """Whether the model's `call` takes `training` (`Layer._call_has_training_arg`)."""
+    return bool(model._call_has_training_arg)
+
+
+def compute_loss(model: Any, x: Any, y: Any, y_pred: Any, sample_weight: Any) -> Any:
+    """The training loss as Keras's own train_step computes it
+    (`Trainer._compute_loss`, which passes `training` only to a
+    `compute_loss` that takes it)."""
+    return model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+
+
+def in_multi_worker_mode(strategy: Any) -> bool:
+    """TensorFlow's own flag of a strategy that spans several workers
+    (`CollectiveAllReduceExtended._in_multi_worker_mode`)."""
+    return bool(getattr(strategy.extended, "_in_multi_worker_mode", lambda: False)())
+
+
+def weight_decay_replacement(optimizer: Any, replacement: Callable) -> dict[str, Callable]:
+    """`{"_apply_weight_decay": replacement}` (for `replaced_on_instance`)
+    when `optimizer` decays weights with Keras's own TensorFlow method, else
+    empty: an optimizer with its own weight decay keeps it."""
+    own: Any = type(optimizer)
+    keras_own: Any = tf_optimizer_class()
+    if own._apply_weight_decay is keras_own._apply_weight_decay:
+        return {"_apply_weight_decay": replacement}
+    return {}
+
+
+class DelegatedCheckpoint:
+    """Mixin for an optimizer wrapper with `inner_optimizer` and `scaler`,
+    once it sets `_mp_delegating`: its checkpoint entries are the inner
+    optimizer's own plus `loss_scale` (TensorFlow's checkpoint protocol,
+    `_trackable_children` / `_lookup_dependency`), as tf.keras's wrapper
+    does, so that a checkpoint of a plain optimizer restores into a
+    wrapped one (iterations, slots) and the other way round."""
+
+    inner_optimizer: Any
+    scaler: Any
+
+    def _trackable_children(self, save_type: str = "checkpoint", **kwargs: Any) -> dict[str, Any]:
+        if not self.__dict__.get("_mp_delegating"):
+            return super()._trackable_children(save_type, **kwargs)  # type: ignore[misc]
+        children = dict(self.inner_optimizer._trackable_children(save_type, **kwargs))
+        children["loss_scale"] = self.scaler
+        return children
+
+    def _lookup_dependency(self, name: str, cached_dependencies: Any = None) -> Any:
+        if not self.__dict__.get("_mp_delegating"):
+            return super()._lookup_dependency(name, cached_dependencies)  # type: ignore[misc]
+        if name == "loss_scale":
+            return self.scaler
+        return self.inner_optimizer._lookup_dependency(name, cached_dependencies)
+
+
+class MultiWorkerSymbolicBuild:
+    """Mixin for a model: Keras 3.15 reduces a distributed batch with
+    strategy.reduce("MEAN") only to learn its shapes and dtypes
+    (`Trainer._maybe_symbolic_build`), which fails under
+    MultiWorkerMirroredStrategy; one local replica's batch has them."""
+
+    distribute_strategy: Any
+
+    def _maybe_symbolic_build(self, iterator: Any = None, data_batch: Any = None) -> Any:
+        from mp_callbacks._backend import tf
+
+        strategy = self.distribute_strategy
+        if (
+            iterator is not None
+            and isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+            and in_multi_worker_mode(strategy)
+        ):
+            batch = first_batch_of_epoch_iterator(iterator)
+            if batch is None:
+                return None
+            local = strategy.experimental_local_results
+            data_batch = tf.nest.map_structure(
+                lambda v: local(v)[0] if isinstance(v, tf.distribute.DistributedValues) else v,
+                batch,
+            )
+            iterator = None
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)  # type: ignore[misc]
+
+
 def in_memory_deserialization() -> Any:
     """A scope in which `from_config` rebuilds a `Lambda` layer's Python
     function (`keras.src.saving.serialization_lib.SafeModeScope(False)`):

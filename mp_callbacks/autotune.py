@@ -34,6 +34,7 @@ from mp_callbacks._candidate import (
     build_model,
     load_function,
 )
+from mp_callbacks._keras_internals import all_layers
 from mp_callbacks._validation import check_int, check_real, fail
 from mp_callbacks.hardware import POLICIES, inspect_hardware
 from mp_callbacks.layer_selection import select_float32_layers
@@ -481,7 +482,7 @@ def _layer_dtypes(model: keras.Model, policy: str, pinned: list[str]) -> dict[st
     """Layer path -> policy name, for the layers whose policy is not
     `policy` in the measured model: its own float32 layers and the pinned."""
     dtypes = {}
-    for layer in model._flatten_layers(include_self=False, recursive=False):
+    for layer in all_layers(model, recursive=False):
         name = getattr(layer.dtype_policy, "name", policy)
         if layer.name in pinned:
             name = "float32"

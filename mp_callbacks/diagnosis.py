@@ -23,7 +23,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from mp_callbacks._backend import keras, tf
-from mp_callbacks._keras_internals import replaced_on_instance
+from mp_callbacks._keras_internals import (
+    all_layers,
+    has_layer_graph,
+    layer_dtype_policy,
+    replaced_on_instance,
+    set_layer_dtype_policy,
+)
 from mp_callbacks._loss_scale_source import LossScaleSource
 
 __all__ = [
@@ -198,16 +204,12 @@ def _abs_max(tensors: list[Any]) -> float:
 
 
 def _own_trainable_weights(layer: Any) -> list[Any]:
-    children = {id(w) for child in layer._flatten_layers(include_self=False) for w in child.trainable_weights}
+    children = {id(w) for child in all_layers(layer) for w in child.trainable_weights}
     return [w for w in layer.trainable_weights if id(w) not in children]
 
 
 def _inspected_layers(model: keras.Model) -> list[Any]:
-    return [
-        layer
-        for layer in model._flatten_layers(include_self=False, recursive=True)
-        if not isinstance(layer, keras.layers.InputLayer)
-    ]
+    return [layer for layer in all_layers(model) if not isinstance(layer, keras.layers.InputLayer)]
 
 
 @contextlib.contextmanager
@@ -256,16 +258,16 @@ def computing_in_float32(model: keras.Model, layers: list[Any] | None = None) ->
     variables are untouched)."""
     swapped = []
     for layer in _inspected_layers(model) if layers is None else layers:
-        policy = getattr(layer, "_dtype_policy", None)
+        policy = layer_dtype_policy(layer)
         if policy is None or getattr(policy, "quantization_mode", None) is not None:
             continue  # quantized layers keep their own kernels
         swapped.append((layer, policy))
-        layer._dtype_policy = FLOAT32_POLICY()
+        set_layer_dtype_policy(layer, FLOAT32_POLICY())
     try:
         yield
     finally:
         for layer, policy in swapped:
-            layer._dtype_policy = policy
+            set_layer_dtype_policy(layer, policy)
 
 
 def FLOAT32_POLICY() -> Any:
@@ -400,7 +402,7 @@ def diagnose_batch(
     if loss_scale is None:
         loss_scale = LossScaleSource.of(model).read_scale()
     notes: list[str] = []
-    functional = hasattr(model, "_run_through_graph") or isinstance(model, keras.Sequential)
+    functional = has_layer_graph(model)
     if not functional:
         notes.append(
             f"{type(model).__name__} is subclassed: its sub-layers are inspected, but "

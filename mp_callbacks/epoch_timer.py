@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from mp_callbacks._callback_support import MixedPrecisionCallback
+from mp_callbacks._keras_internals import loss_tracker
 from mp_callbacks._loss_scale_source import read_variable
 from mp_callbacks._validation import check_bool, check_int
 
@@ -198,7 +199,7 @@ class EpochTimer(MixedPrecisionCallback):
         # Keras's loss tracker is a Mean weighted by batch size in Keras's own
         # train_step: its count is the samples trained on this epoch. A step
         # that updates it with the scalar loss alone makes it count steps.
-        tracker = getattr(self.model, "_loss_tracker", None)
+        tracker = loss_tracker(self.model)
         count = getattr(tracker, "count", None)
         if count is not None:
             samples = float(read_variable(count))

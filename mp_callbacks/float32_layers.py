@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from mp_callbacks._backend import keras
 from mp_callbacks._cloning import layers_within, rebuilt, set_nested_dtypes
-from mp_callbacks._keras_internals import all_layers
+from mp_callbacks._keras_internals import all_layers, has_layer_graph, is_functional
 from mp_callbacks._validation import fail
 
 __all__ = ["float32_copy", "with_float32_layers"]
@@ -51,7 +51,7 @@ def with_float32_layers(model: keras.Model, names: Iterable[str]) -> keras.Model
     if isinstance(model, keras.Sequential):
         functional = True
     else:
-        functional = hasattr(model, "_run_through_graph")
+        functional = is_functional(model)
         try:
             functional = functional and bool(model.inputs) and bool(model.outputs)
         except (AttributeError, ValueError):
@@ -117,7 +117,7 @@ def float32_copy(model: keras.Model) -> keras.Model:
     print(type(served).__name__, served.layers[-1].compute_dtype)  # Functional float32
     ```
     """
-    if not (isinstance(model, keras.Sequential) or hasattr(model, "_run_through_graph")):
+    if not has_layer_graph(model):
         fail(
             "float32_copy",
             "model",

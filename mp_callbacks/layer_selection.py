@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from mp_callbacks._backend import keras, tf
-from mp_callbacks._keras_internals import seed_generators_of
+from mp_callbacks._keras_internals import all_layers, seed_generators_of
 from mp_callbacks.diagnosis import (
     computing_in_float32,
     diagnose_batch,
@@ -75,8 +75,8 @@ class LayerSelection:
 def pinned(model: keras.Model, names: Sequence[str]) -> Iterator[None]:
     """While active, the named layers (and the layers inside them) compute
     in float32."""
-    by_name = {layer.name: layer for layer in model._flatten_layers(include_self=False, recursive=True)}
-    layers = [inner for name in names for inner in by_name[name]._flatten_layers(include_self=True)]
+    by_name = {layer.name: layer for layer in all_layers(model)}
+    layers = [inner for name in names for inner in all_layers(by_name[name], include_self=True)]
     with computing_in_float32(model, layers=layers):
         yield
 
@@ -122,7 +122,7 @@ def own_relative_errors(model: keras.Model, x: Any) -> dict[str, float]:
         for (layer, args, kwargs), (_, _, outputs) in zip(calls, records):
             if getattr(layer, "compute_dtype", "float32") not in _LOW_PRECISION or not outputs:
                 continue
-            inner = layer._flatten_layers(include_self=True)
+            inner = all_layers(layer, include_self=True)
             if any(seed_generators_of(sub) for sub in inner):
                 continue  # a replay would draw other random numbers
             with computing_in_float32(model, layers=inner):
@@ -188,7 +188,7 @@ def select_float32_layers(
     selection = LayerSelection()
     if compute_dtype not in _LOW_PRECISION:
         return selection
-    order = [layer.name for layer in model._flatten_layers(include_self=False, recursive=True)]
+    order = [layer.name for layer in all_layers(model)]
     pins: list[str] = []
     reasons: dict[str, str] = {}
     gradient_max = 0.0
@@ -208,10 +208,7 @@ def select_float32_layers(
             )
     # Minimal: a layer whose pinning changes nothing goes; containers are
     # tried first, so that the smallest layer that needs float32 is kept.
-    size = {
-        layer.name: len(layer._flatten_layers(include_self=False, recursive=True))
-        for layer in model._flatten_layers(include_self=False, recursive=True)
-    }
+    size = {layer.name: len(all_layers(layer)) for layer in all_layers(model)}
 
     def clean(names: list[str]) -> bool:
         return not _flag(model, batches, names, compute_dtype)[0]
@@ -252,10 +249,7 @@ def initial_scale_for(gradient_max: float) -> float:
 
 
 def _model_compute_dtype(model: keras.Model) -> str:
-    dtypes = {
-        getattr(layer, "compute_dtype", "float32")
-        for layer in model._flatten_layers(include_self=False, recursive=True)
-    }
+    dtypes = {getattr(layer, "compute_dtype", "float32") for layer in all_layers(model)}
     for dtype in ("float16", "bfloat16"):
         if dtype in dtypes:
             return dtype

@@ -621,9 +621,12 @@ class LossScaler(tf.Module):
     def _plain_optimizer(self, optimizer: Any) -> Any:
         """The optimizer that applies the gradients: never one that would
         unscale them again."""
-        from mp_callbacks.loss_scale_optimizer import LossScaleOptimizer
-
-        if isinstance(optimizer, LossScaleOptimizer):
+        # mp_callbacks' LossScaleOptimizer is the Keras one that holds a
+        # LossScaler (told apart so, not by importing it: it imports this).
+        ours = isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and isinstance(
+            getattr(optimizer, "scaler", None), LossScaler
+        )
+        if ours:
             if optimizer.scaler is not self:
                 self._warn_once(
                     optimizer,

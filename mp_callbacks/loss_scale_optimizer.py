@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from mp_callbacks._backend import keras, tf
+from mp_callbacks._keras_internals import DelegatedCheckpoint
 from mp_callbacks._unscale_stage import stage_of
 from mp_callbacks._validation import check_int, fail
 from mp_callbacks.errors import MixedPrecisionWarning, UnsupportedArgumentError
@@ -80,7 +81,7 @@ def _integral(value: Any) -> Any:
 
 
 @keras.saving.register_keras_serializable(package="mp_callbacks")
-class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizer(DelegatedCheckpoint, keras.optimizers.LossScaleOptimizer):
     """Wraps a Keras 3 optimizer with dynamic loss scaling, for both the
     tf.keras and the Keras 3 ways of using one.
 
@@ -479,25 +480,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def finalize_variable_values(self, var_list: list[Any]) -> None:
         self.inner_optimizer.finalize_variable_values(var_list)
-
-    # ------------------------------------------------------ checkpoints
-    def _trackable_children(self, save_type: str = "checkpoint", **kwargs: Any) -> dict[str, Any]:
-        # As tf.keras does: the wrapper shows the inner optimizer's own
-        # checkpoint entries, plus its loss scale, so that a checkpoint of a
-        # plain optimizer restores into a wrapped one (iterations, slots) and
-        # the other way round.
-        if not self.__dict__.get("_mp_delegating"):
-            return super()._trackable_children(save_type, **kwargs)
-        children = dict(self.inner_optimizer._trackable_children(save_type, **kwargs))
-        children["loss_scale"] = self.scaler
-        return children
-
-    def _lookup_dependency(self, name: str, cached_dependencies: Any = None) -> Any:
-        if not self.__dict__.get("_mp_delegating"):
-            return super()._lookup_dependency(name, cached_dependencies)
-        if name == "loss_scale":
-            return self.scaler
-        return self.inner_optimizer._lookup_dependency(name, cached_dependencies)
 
     # ---------------------------------------------------- serialization
     def get_config(self) -> dict[str, Any]:

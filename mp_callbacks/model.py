@@ -23,12 +23,16 @@ from mp_callbacks._backend import keras, tf
 from mp_callbacks._forward_writes import written_variables
 from mp_callbacks._keras_internals import (
     LossScaleSaveable,
+    MultiWorkerSymbolicBuild,
     all_layers,
-    first_batch_of_epoch_iterator,
+    call_has_training_arg,
+    compute_loss,
     functional_class,
     functional_init_arguments,
+    in_multi_worker_mode,
     init_functional,
     keras_default_method,
+    loss_tracker,
     output_layers,
     register_serialized_name,
 )
@@ -151,9 +155,7 @@ def _functional_variant(cls: type) -> type:
 
 def _in_multi_worker_mode(strategy: Any = None) -> bool:
     strategy = strategy or tf.distribute.get_strategy()
-    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and bool(
-        getattr(strategy.extended, "_in_multi_worker_mode", lambda: False)()
-    )
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and in_multi_worker_mode(strategy)
 
 
 def _for_multi_worker_reduction(logs: dict[str, Any]) -> dict[str, Any]:
@@ -257,7 +259,7 @@ class _EpochSignals:
 
 
 @keras.saving.register_keras_serializable(package="mp_callbacks")
-class MixedPrecisionModel(keras.Model):
+class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
     """A Keras model that does loss scaling in its own `train_step`.
 
     Build it functionally, subclass it (with your own `call`, or your own
@@ -417,10 +419,7 @@ class MixedPrecisionModel(keras.Model):
     def _computes_in_float16(self) -> bool:
         if self.dtype_policy.compute_dtype == "float16":
             return True
-        return any(
-            getattr(layer, "compute_dtype", None) == "float16"
-            for layer in self._flatten_layers(include_self=False)
-        )
+        return any(getattr(layer, "compute_dtype", None) == "float16" for layer in all_layers(self))
 
     def _auto_loss_scale(self) -> LossScaler:
         if self._computes_in_float16():
@@ -634,14 +633,14 @@ class MixedPrecisionModel(keras.Model):
         forward_state = self.non_trainable_variables + self._trainables_the_forward_pass_writes(x)
         state_before = [tf.identity(v.value) for v in forward_state]
         with tf.GradientTape() as tape:
-            if self._call_has_training_arg:
+            if call_has_training_arg(self):
                 y_pred = self(x, training=True)
             else:
                 y_pred = self(x)
-            loss = self._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+            loss = compute_loss(self, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
             batch_size = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
             # Keras divides the loss by the replica count under tf.distribute.
-            self._loss_tracker.update_state(loss * num_replicas, sample_weight=batch_size)
+            loss_tracker(self).update_state(loss * num_replicas, sample_weight=batch_size)
             scaled_loss = loss_scale.scale(loss)
 
         variables = self.trainable_variables
@@ -703,7 +702,7 @@ class MixedPrecisionModel(keras.Model):
         key = repr(specs)
         if key not in cache:
             cache[key] = written_variables(
-                lambda inputs: self(inputs, training=True) if self._call_has_training_arg else self(inputs),
+                lambda inputs: self(inputs, training=True) if call_has_training_arg(self) else self(inputs),
                 specs,
                 self.trainable_variables,
             )
@@ -758,22 +757,6 @@ class MixedPrecisionModel(keras.Model):
 
     def test_step(self, data: Any) -> dict[str, Any]:
         return _for_multi_worker_reduction(super().test_step(data))
-
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # Keras 3.15 reduces a distributed batch with strategy.reduce("MEAN")
-        # only to learn its shapes and dtypes, which fails under
-        # MultiWorkerMirroredStrategy; one local replica's batch has them.
-        if iterator is not None and _in_multi_worker_mode(self.distribute_strategy):
-            batch = first_batch_of_epoch_iterator(iterator)
-            if batch is None:
-                return None
-            local = self.distribute_strategy.experimental_local_results
-            data_batch = tf.nest.map_structure(
-                lambda v: local(v)[0] if isinstance(v, tf.distribute.DistributedValues) else v,
-                batch,
-            )
-            iterator = None
-        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def reset_metrics(self) -> None:
         super().reset_metrics()

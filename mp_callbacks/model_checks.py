@@ -10,7 +10,14 @@ from typing import Any
 import numpy as np
 
 from mp_callbacks._backend import keras
-from mp_callbacks._keras_internals import output_layers, replaced_on_instance
+from mp_callbacks._keras_internals import (
+    all_layers,
+    has_layer_graph,
+    inbound_tensors,
+    output_layers,
+    producing_layer,
+    replaced_on_instance,
+)
 from mp_callbacks._loss_scale_source import LossScaleSource
 
 __all__ = ["Finding", "check_model"]
@@ -166,11 +173,10 @@ def _multiply_adds(layer: Any) -> int:
 
 def _parents(layer: Any) -> list[Any]:
     parents = []
-    for node in getattr(layer, "_inbound_nodes", []):
-        for tensor in getattr(node, "input_tensors", []):
-            history = getattr(tensor, "_keras_history", None)
-            if history is not None and history[0] not in parents:
-                parents.append(history[0])
+    for tensor in inbound_tensors(layer):
+        producer = producing_layer(tensor)
+        if producer not in parents:
+            parents.append(producer)
     return parents
 
 
@@ -294,10 +300,7 @@ def check_model(model: keras.Model) -> list[Finding]:
         A list of `Finding`s.
     """
     findings = _check(model)
-    if any(
-        _compute_dtype(layer) == "float16"
-        for layer in _low_precision_layers(model._flatten_layers(include_self=False))
-    ):
+    if any(_compute_dtype(layer) == "float16" for layer in _low_precision_layers(all_layers(model))):
         findings += _loss_scale_findings(model)
     return findings
 
@@ -307,21 +310,17 @@ def _low_precision_layers(layers: Any) -> list[Any]:
 
 
 def _has_graph(model: Any) -> bool:
-    return isinstance(model, keras.Sequential) or hasattr(model, "_run_through_graph")
+    return has_layer_graph(model)
 
 
 def _sub_models(model: keras.Model) -> list[keras.Model]:
-    return [
-        layer
-        for layer in model._flatten_layers(include_self=False, recursive=False)
-        if isinstance(layer, keras.Model)
-    ]
+    return [layer for layer in all_layers(model, recursive=False) if isinstance(layer, keras.Model)]
 
 
 def _check(model: keras.Model) -> list[Finding]:
     """Every finding but the loss scale's, for `model` and its sub-models."""
     findings: list[Finding] = []
-    layers = list(model._flatten_layers(include_self=False))
+    layers = list(all_layers(model))
     low_precision = [layer for layer in layers if _compute_dtype(layer) in _LOW_PRECISION]
     if not low_precision and _compute_dtype(model) not in _LOW_PRECISION:
         return findings
@@ -376,9 +375,7 @@ def _check(model: keras.Model) -> list[Finding]:
 
     sub_models = [] if _has_graph(model) else _sub_models(model)
     if sub_models:  # their layers are checked with them, once
-        inside = {
-            id(layer) for sub_model in sub_models for layer in sub_model._flatten_layers(include_self=True)
-        }
+        inside = {id(layer) for sub_model in sub_models for layer in all_layers(sub_model, include_self=True)}
         layers = [layer for layer in layers if id(layer) not in inside]
         low_precision = [layer for layer in low_precision if id(layer) not in inside]
     findings += _float_index_findings(layers)
@@ -424,10 +421,7 @@ def _loss_scale_findings(model: keras.Model) -> list[Finding]:
 
 
 def _input_tensors(layer: Any) -> list[Any]:
-    tensors: list[Any] = []
-    for node in getattr(layer, "_inbound_nodes", []):
-        tensors.extend(t for t in getattr(node, "input_tensors", []) if hasattr(t, "_keras_history"))
-    return tensors
+    return inbound_tensors(layer)
 
 
 def _casts_floats(layer: Any) -> bool:
@@ -475,7 +469,7 @@ def _float_index_findings(layers: list[Any]) -> list[Finding]:
     findings = []
     for host in layers:
         lookups = [
-            inner for inner in host._flatten_layers(include_self=True) if isinstance(inner, _INDEX_LOOKUPS)
+            inner for inner in all_layers(host, include_self=True) if isinstance(inner, _INDEX_LOOKUPS)
         ]
         if not lookups:
             continue
@@ -498,7 +492,7 @@ def _float_index_findings(layers: list[Any]) -> list[Finding]:
                 continue  # integer ids are exact
             seen.add(id(tensor))
             cast = cast or (dtype if dtype in _LOW_PRECISION else None)
-            producer = tensor._keras_history[0]
+            producer = producing_layer(tensor)
             if isinstance(producer, keras.layers.InputLayer):
                 if cast is not None:
                     findings.append(

@@ -17,7 +17,7 @@ from typing import Any
 
 from mp_callbacks._backend import keras
 from mp_callbacks._cloning import layers_within, rebuilt, set_nested_dtypes
-from mp_callbacks._keras_internals import all_layers
+from mp_callbacks._keras_internals import all_layers, has_layer_graph
 from mp_callbacks._validation import fail
 from mp_callbacks.hardware import POLICIES
 
@@ -151,7 +151,7 @@ class PrecisionPlan:
         from mp_callbacks.loss_scale import LossScaler
         from mp_callbacks.model import MixedPrecisionModel
 
-        if not (isinstance(model, keras.Sequential) or hasattr(model, "_run_through_graph")):
+        if not has_layer_graph(model):
             fail(
                 _OWNER,
                 "model",

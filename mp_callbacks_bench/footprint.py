@@ -34,6 +34,16 @@ def _variable_bytes(variables) -> int:
     return sum(int(np.prod(v.shape)) * _itemsize(v.dtype) for v in variables)
 
 
+def _nested_layers(model) -> list:
+    """Every layer of `model` and of the models nested in it (public
+    `layers`: only layers of a graph have outputs to read)."""
+    found = []
+    for layer in getattr(model, "layers", []):
+        found.append(layer)
+        found.extend(_nested_layers(layer))
+    return found
+
+
 def _activation_bytes(model, batch_size: int) -> int | None:
     """Bytes of every layer's output for one batch, or None when the model
     has no symbolic outputs to read (a subclassed model)."""
@@ -43,7 +53,7 @@ def _activation_bytes(model, batch_size: int) -> int | None:
 
     total = 0
     seen = False
-    for layer in model._flatten_layers(include_self=False, recursive=True):
+    for layer in _nested_layers(model):
         if type(layer).__name__ == "InputLayer":
             continue
         try:
