@@ -284,12 +284,7 @@ def autotune(
     batch_size = check_int(_OWNER, "batch_size", batch_size, low=1) if batch_size is not None else 32
     seed = check_int(_OWNER, "seed", seed, low=0)
     forced = policies is not None
-    if policies is not None:
-        if isinstance(policies, str) or not list(policies):
-            fail(_OWNER, "policies", policies, f"None or a non-empty list from {', '.join(POLICIES)}")
-        unknown = [p for p in policies if p not in POLICIES]
-        if unknown:
-            fail(_OWNER, "policies", list(policies), f"policies from {', '.join(POLICIES)}")
+    _check_policies(policies)
     target, build_function = _resolve_build(build)
     if in_subprocess is None:
         in_subprocess = target is not None
@@ -304,33 +299,11 @@ def autotune(
     x_train, y_train, x_val, y_val = _split(x, y, validation_data)
     if len(x_train) < batch_size:
         fail(_OWNER, "x", f"{len(x_train)} training samples", f"at least batch_size ({batch_size}) samples")
-
-    # The reference model, once: a model that does not fit the data fails here.
-    keras.utils.set_random_seed(seed)
-    reference_model = build_model(build_function, "float32", list(build_args), [], None)
-    try:
-        reference_model.evaluate(x_train[:2], y_train[:2], verbose=0)
-    except Exception as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        raise ValueError(
-            f"{_OWNER}: the model does not train on the data (x of shape "
-            f"{x_train.shape}, y of shape {np.shape(y_train)}): {type(error).__name__}: "
-            f"{first}"
-        ) from error
-    weights = reference_model.get_weights()
+    weights = _reference_weights(build_function, list(build_args), seed, x_train, y_train)
 
     if hardware is None:
         hardware = inspect_hardware(measure=not forced)
-    if policies is not None:
-        candidate_policies = list(dict.fromkeys(policies))
-        notes = []
-    else:
-        slow = hardware.slow_policies()
-        candidate_policies = ["float32"] + [p for p in POLICIES if p != "float32" and p not in slow]
-        notes = [f"not a candidate: {p} ({why})" for p, why in slow.items()]
-    for note in notes:
-        logger.info("autotune: %s", note)
-
+    candidate_policies, notes = _candidate_policies(policies, hardware)
     n_diagnosis = min(_DIAGNOSIS_BATCH_SIZE, batch_size)
     diagnosis_batches = [
         (x_train[i : i + n_diagnosis], y_train[i : i + n_diagnosis])
@@ -349,40 +322,12 @@ def autotune(
     for policy in candidate_policies:
         if policy == "float32":
             continue
-        began = time.monotonic()
-        keras.utils.set_random_seed(seed)
         try:
-            model = build_model(build_function, policy, list(build_args), [], None)
-            model.set_weights(weights)
-            selection = select_float32_layers(model, diagnosis_batches)
-            layer_dtypes = _layer_dtypes(model, policy, selection.layers)
+            evidence.append(
+                _layer_evidence(policy, build_function, list(build_args), weights, diagnosis_batches, seed)
+            )
         except Exception as error:  # one candidate that cannot run is dropped, not the call
             dropped.append(_dropped(policy, "finding its float32 layers", error))
-            continue
-        evidence.append(
-            {
-                "policy": policy,
-                "listed": True,
-                "float32_layers": selection.layers,
-                "reasons": selection.reasons,
-                "dropped": selection.dropped,
-                "initial_scale": selection.initial_scale,
-                "layer_dtypes": layer_dtypes,
-                "notes": selection.notes,
-                "selection_seconds": time.monotonic() - began,
-            }
-        )
-        logger.info(
-            "autotune: %s: %s [%.1f s]",
-            policy,
-            (
-                f"{len(selection.layers)} layer(s) to compute in float32: "
-                + "; ".join(f"{n} ({why})" for n, why in selection.reasons.items())
-                if selection.layers
-                else "no layer needs float32"
-            ),
-            time.monotonic() - began,
-        )
 
     interrupted = _prove(
         evidence,
@@ -399,6 +344,97 @@ def autotune(
         started,
         dropped,
     )
+    plan = _plan_from(evidence, dropped, notes, interrupted, tolerance, forced, candidate_policies, hardware)
+    logger.info("autotune: plan %s in %.0f s", plan.policy, time.monotonic() - started)
+    return plan
+
+
+def _check_policies(policies: Sequence[str] | None) -> None:
+    if policies is None:
+        return
+    if isinstance(policies, str) or not list(policies):
+        fail(_OWNER, "policies", policies, f"None or a non-empty list from {', '.join(POLICIES)}")
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        fail(_OWNER, "policies", list(policies), f"policies from {', '.join(POLICIES)}")
+
+
+def _reference_weights(
+    build_function: Callable, build_args: list, seed: int, x_train: Any, y_train: Any
+) -> list:
+    """The float32 model's initial weights, which every candidate starts
+    from; a model that does not take the data fails here, before training."""
+    keras.utils.set_random_seed(seed)
+    reference_model = build_model(build_function, "float32", build_args, [], None)
+    try:
+        reference_model.evaluate(x_train[:2], y_train[:2], verbose=0)
+    except Exception as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise ValueError(
+            f"{_OWNER}: the model does not train on the data (x of shape "
+            f"{x_train.shape}, y of shape {np.shape(y_train)}): {type(error).__name__}: "
+            f"{first}"
+        ) from error
+    return reference_model.get_weights()
+
+
+def _candidate_policies(policies: Sequence[str] | None, hardware: Any) -> tuple[list[str], list[str]]:
+    """The policies to try, and notes on those left out: the listed ones,
+    or float32 and every mixed policy not measured as emulated here."""
+    if policies is not None:
+        return list(dict.fromkeys(policies)), []
+    slow = hardware.slow_policies()
+    notes = [f"not a candidate: {p} ({why})" for p, why in slow.items()]
+    for note in notes:
+        logger.info("autotune: %s", note)
+    return ["float32"] + [p for p in POLICIES if p != "float32" and p not in slow], notes
+
+
+def _layer_evidence(
+    policy: str, build_function: Callable, build_args: list, weights: list, batches: list, seed: int
+) -> dict[str, Any]:
+    """One candidate's layers to keep in float32, found on `batches`."""
+    began = time.monotonic()
+    keras.utils.set_random_seed(seed)
+    model = build_model(build_function, policy, build_args, [], None)
+    model.set_weights(weights)
+    selection = select_float32_layers(model, batches)
+    layer_dtypes = _layer_dtypes(model, policy, selection.layers)
+    logger.info(
+        "autotune: %s: %s [%.1f s]",
+        policy,
+        (
+            f"{len(selection.layers)} layer(s) to compute in float32: "
+            + "; ".join(f"{n} ({why})" for n, why in selection.reasons.items())
+            if selection.layers
+            else "no layer needs float32"
+        ),
+        time.monotonic() - began,
+    )
+    return {
+        "policy": policy,
+        "listed": True,
+        "float32_layers": selection.layers,
+        "reasons": selection.reasons,
+        "dropped": selection.dropped,
+        "initial_scale": selection.initial_scale,
+        "layer_dtypes": layer_dtypes,
+        "notes": selection.notes,
+        "selection_seconds": time.monotonic() - began,
+    }
+
+
+def _plan_from(
+    evidence: list[dict[str, Any]],
+    dropped: list[dict[str, Any]],
+    notes: list[str],
+    interrupted: bool,
+    tolerance: float,
+    forced: bool,
+    candidate_policies: list[str],
+    hardware: Any,
+) -> PrecisionPlan:
+    """The plan the proven evidence supports (float32 if interrupted)."""
     for candidate in dropped:
         logger.warning("autotune: %s dropped: %s", candidate["policy"], candidate["error"])
         notes.append(f"dropped: {candidate['policy']} ({candidate['error']})")
@@ -425,7 +461,7 @@ def autotune(
             "(the candidates were listed, so it does not override the choice)."
         )
     reasons += notes
-    plan = PrecisionPlan(
+    return PrecisionPlan(
         policy=policy,
         float32_layers=list(chosen.get("float32_layers", [])),
         initial_scale=chosen.get("initial_scale") if policy == "mixed_float16" else None,
@@ -435,8 +471,6 @@ def autotune(
         measured_on=device,
         interrupted=interrupted,
     )
-    logger.info("autotune: plan %s in %.0f s", plan.policy, time.monotonic() - started)
-    return plan
 
 
 def _resolve_build(build: Any) -> tuple[str | None, Callable[..., Any]]:
