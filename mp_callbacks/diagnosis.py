@@ -402,8 +402,7 @@ def diagnose_batch(
     if loss_scale is None:
         loss_scale = LossScaleSource.of(model).read_scale()
     notes: list[str] = []
-    functional = has_layer_graph(model)
-    if not functional:
+    if not has_layer_graph(model):
         notes.append(
             f"{type(model).__name__} is subclassed: its sub-layers are inspected, but "
             "operations written directly in its call() between them are not."
@@ -420,55 +419,31 @@ def diagnose_batch(
         for variable, value in zip(forward_state, saved_state):
             variable.assign(value)
 
-    def forward(
-        watch_inputs: bool,
-    ) -> tuple[Any, Any, Any, list[Any], dict[int, list[tuple[list[Any], list[Any]]]]]:
-        tape = tf.GradientTape(persistent=True)
-        loss = scaled_loss = None
-        try:
-            with recording_layers(model, tape, watch_inputs=watch_inputs) as records, tape:
-                y_pred = model(x, training=True)
-                if y is not None and getattr(model, "compiled", False):
-                    loss = model.compute_loss(
-                        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-                    )
-                    scaled_loss = tf.cast(loss, tf.float32) * tf.constant(loss_scale, tf.float32)
-        finally:
-            for variable, value in zip(forward_state, saved_state):
-                variable.assign(value)
-        # One entry per layer: a layer called twice keeps its first call's
-        # position and the worst of its figures.
-        order: list[Any] = []
-        calls: dict[int, list[tuple[list[Any], list[Any]]]] = {}
-        for layer, inputs, outputs in records:
-            if id(layer) not in calls:
-                order.append(layer)
-                calls[id(layer)] = []
-            calls[id(layer)].append((inputs, outputs))
-        return tape, loss, scaled_loss, order, calls
-
-    tape, loss, scaled_loss, order, calls = forward(watch_inputs=True)
-
-    layer_records: dict[str, LayerRecord] = {}
-    for layer in order:
-        outputs = [t for _, outs in calls[id(layer)] for t in outs]
-        layer_records[layer.name] = LayerRecord(
-            name=layer.name,
-            compute_dtype=str(getattr(layer, "compute_dtype", "float32")),
-            activation_max=_abs_max(outputs),
-            output_finite=_all_finite(outputs),
+    def forward(watch_inputs: bool) -> _Replay:
+        return _replay(
+            model, (x, y, sample_weight), loss_scale, list(zip(forward_state, saved_state)), watch_inputs
         )
 
-    if loss is None:
+    replay = forward(watch_inputs=True)
+    layer_records = {
+        layer.name: LayerRecord(
+            name=layer.name,
+            compute_dtype=str(getattr(layer, "compute_dtype", "float32")),
+            activation_max=_abs_max([t for _, outs in replay.calls[id(layer)] for t in outs]),
+            output_finite=_all_finite([t for _, outs in replay.calls[id(layer)] for t in outs]),
+        )
+        for layer in replay.order
+    }
+    if replay.loss is None:
         notes.append(
             "no loss was computed (pass y and compile the model): backward "
             "origin and underflow are not reported."
         )
     else:
         # Every layer's inputs, own weights and outputs, in one backward pass.
-        spans, targets = _gradient_targets(order, calls)
+        spans, targets = _gradient_targets(replay.order, replay.calls)
         try:
-            gradients = tape.gradient(scaled_loss, targets) if targets else []
+            gradients = replay.tape.gradient(replay.scaled_loss, targets) if targets else []
         except _NO_GRADIENT as error:
             # TensorFlow has no bfloat16 gradient for an augmentation
             # layer's image transform, which training never needs (no weights
@@ -478,47 +453,96 @@ def diagnose_batch(
                 f"({type(error).__name__}: {error}); each layer's gradients are "
                 "taken at its weights and outputs."
             )
-            del tape
-            tape, loss, scaled_loss, order, calls = forward(watch_inputs=False)
-            spans, targets = _gradient_targets(order, calls)
-            gradients = _gradients(tape, scaled_loss, targets, spans, notes)
-        for layer, start, n_in, n_out in spans:
-            grads = [g for g in gradients[start : start + n_in] if g is not None]
-            grads = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
-            record = layer_records[layer.name]
-            record.gradient_finite = _all_finite(grads) if grads else True
-            out_grads = [g for g in gradients[start + n_in : start + n_in + n_out] if g is not None]
-            if grads or out_grads:
-                record.gradient_max = _abs_max(grads + out_grads) / float(loss_scale)
-            if out_grads:
-                tiny = dtype_tiny(out_grads[0].dtype)
-                total = sum(int(tf.size(g)) for g in out_grads)
-                small = sum(
-                    int(tf.reduce_sum(tf.cast(tf.abs(tf.cast(g, tf.float32)) <= tiny, tf.int64)))
-                    for g in out_grads
-                )
-                record.underflow = small / total if total else 0.0
-    del tape
+            del replay
+            replay = forward(watch_inputs=False)
+            spans, targets = _gradient_targets(replay.order, replay.calls)
+            gradients = _gradients(replay.tape, replay.scaled_loss, targets, spans, notes)
+        _note_gradients(layer_records, spans, gradients, float(loss_scale))
+    ordered = [layer_records[layer.name] for layer in replay.order]
+    loss = replay.loss
+    del replay
+    return _report(ordered, reference, None if loss is None else float(loss), float(loss_scale), notes)
 
-    ordered = [layer_records[layer.name] for layer in order]
-    activation_max = {r.name: r.activation_max for r in ordered}
+
+class _Replay(NamedTuple):
+    """One recorded forward pass: its tape, losses and each layer's calls
+    (a layer called twice keeps its first call's position)."""
+
+    tape: Any
+    loss: Any
+    scaled_loss: Any
+    order: list[Any]
+    calls: dict[int, list[tuple[list[Any], list[Any]]]]
+
+
+def _replay(
+    model: keras.Model, data: tuple, loss_scale: float, state: list[tuple[Any, Any]], watch_inputs: bool
+) -> _Replay:
+    """The batch's forward pass in training mode, every layer's inputs and
+    outputs recorded, with the state it updates put back after."""
+    x, y, sample_weight = data
+    tape = tf.GradientTape(persistent=True)
+    loss = scaled_loss = None
+    try:
+        with recording_layers(model, tape, watch_inputs=watch_inputs) as records, tape:
+            y_pred = model(x, training=True)
+            if y is not None and getattr(model, "compiled", False):
+                loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+                scaled_loss = tf.cast(loss, tf.float32) * tf.constant(loss_scale, tf.float32)
+    finally:
+        for variable, value in state:
+            variable.assign(value)
+    order: list[Any] = []
+    calls: dict[int, list[tuple[list[Any], list[Any]]]] = {}
+    for layer, inputs, outputs in records:
+        if id(layer) not in calls:
+            order.append(layer)
+            calls[id(layer)] = []
+        calls[id(layer)].append((inputs, outputs))
+    return _Replay(tape, loss, scaled_loss, order, calls)
+
+
+def _note_gradients(
+    layer_records: dict[str, LayerRecord], spans: list, gradients: list, loss_scale: float
+) -> None:
+    """Each layer's gradient finiteness, largest gradient and underflow share."""
+    for layer, start, n_in, n_out in spans:
+        grads = [g for g in gradients[start : start + n_in] if g is not None]
+        grads = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
+        record = layer_records[layer.name]
+        record.gradient_finite = _all_finite(grads) if grads else True
+        out_grads = [g for g in gradients[start + n_in : start + n_in + n_out] if g is not None]
+        if grads or out_grads:
+            record.gradient_max = _abs_max(grads + out_grads) / loss_scale
+        if out_grads:
+            tiny = dtype_tiny(out_grads[0].dtype)
+            total = sum(int(tf.size(g)) for g in out_grads)
+            small = sum(
+                int(tf.reduce_sum(tf.cast(tf.abs(tf.cast(g, tf.float32)) <= tiny, tf.int64)))
+                for g in out_grads
+            )
+            record.underflow = small / total if total else 0.0
+
+
+def _report(
+    ordered: list[LayerRecord],
+    reference: dict[str, tuple[float, float]],
+    loss_value: float | None,
+    loss_scale: float,
+    notes: list[str],
+) -> PrecisionReport:
+    """The report from the layers' records: where it first fails, forward
+    and backward, the origin, and the layers to keep in float32."""
     headroom = {
         r.name: (
             r.activation_max / dtype_max(r.compute_dtype) if math.isfinite(r.activation_max) else math.inf
         )
         for r in ordered
     }
-    underflow = {r.name: r.underflow for r in ordered if r.underflow is not None}
     first_forward = next((r.name for r in ordered if not r.output_finite), None)
     first_backward = next((r.name for r in reversed(ordered) if r.gradient_finite is False), None)
-    loss_value = None if loss is None else float(loss)
     loss_finite = loss_value is None or math.isfinite(loss_value)
-    origin: str | None
-    if not loss_finite:
-        origin = first_forward or "loss"
-    else:
-        origin = first_backward or first_forward
-
+    origin = (first_forward or "loss") if not loss_finite else (first_backward or first_forward)
     # The origin, and every float16 layer whose true magnitudes (from the
     # float32 replay) fill more than half of float16's range on the way in
     # or out: downstream of an overflow, layers merely inherit inf/NaN, and
@@ -533,20 +557,19 @@ def diagnose_batch(
         )
         if (record.name == origin and record.name in low_precision) or near_overflow:
             advice.append(record.name)
-    reference_max = {name: out for name, (_, out) in reference.items()}
     return PrecisionReport(
         first_nonfinite_layer=first_forward,
         first_nonfinite_gradient_layer=first_backward,
-        activation_max=activation_max,
+        activation_max={r.name: r.activation_max for r in ordered},
         headroom=headroom,
-        underflow=underflow,
+        underflow={r.name: r.underflow for r in ordered if r.underflow is not None},
         float32_layers=advice,
         loss=loss_value,
         loss_finite=loss_finite,
-        loss_scale=float(loss_scale),
+        loss_scale=loss_scale,
         origin=origin,
         notes=notes,
         layers=ordered,
-        reference_max=reference_max,
+        reference_max={name: out for name, (_, out) in reference.items()},
         gradient_max={r.name: r.gradient_max for r in ordered if r.gradient_max is not None},
     )
