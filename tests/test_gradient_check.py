@@ -203,3 +203,11 @@ def test_applied_norm_when_every_variable_is_overwritten_is_zero():
     grads = [tf.constant([3.0]), tf.constant([4.0])]
     norm = applied_norm(check_gradients(grads), grads, [_Variable(True), _Variable(True)])
     assert norm.dtype == tf.float32 and float(norm) == 0.0
+
+
+def test_applied_norm_of_variables_without_the_attribute_counts_them_all():
+    # Plain tf.Variables have no `overwrite_with_gradient`: none is left out.
+    grads = [tf.constant([3.0]), tf.constant([4.0])]
+    variables = [tf.Variable([0.0]), object()]
+    checked = check_gradients(grads)
+    assert float(applied_norm(checked, grads, variables)) == pytest.approx(5.0)

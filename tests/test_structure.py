@@ -67,3 +67,30 @@ def test_a_lazy_import_is_an_import(tmp_path):
         "    import mp_callbacks.tuner\n"
     )
     assert _imports(module) == {"loss_scale", "model", "tuner"}
+
+
+# A function longer than this (code, not its docstring) does several jobs.
+MAX_FUNCTION_LINES = 85
+
+
+def _code_lines(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    body = function.body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    return 0 if not body else body[-1].end_lineno - body[0].lineno + 1  # type: ignore[operator]
+
+
+def test_no_function_of_the_library_is_longer_than_about_80_lines():
+    long = [
+        f"{path.name}:{node.lineno} {node.name} ({_code_lines(node)} lines)"
+        for path in sorted(PACKAGE.glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and _code_lines(node) > MAX_FUNCTION_LINES
+    ]
+    assert long == []
+
+
+def test_code_lines_leave_out_the_docstring():
+    function = ast.parse('def f():\n    """Doc.\n\n    More.\n    """\n    a = 1\n    return a\n').body[0]
+    assert _code_lines(function) == 2
