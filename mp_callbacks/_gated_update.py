@@ -45,7 +45,7 @@ from mp_callbacks._keras_internals import (
     weight_decay_replacement,
 )
 
-__all__ = ["gated_apply"]
+__all__ = ["gated_apply", "gradients_after"]
 
 # Zeros up to this size are constants Grappler folds; larger ones would be
 # filled anew every step (Grappler does not fold them), so they are views of
@@ -292,6 +292,34 @@ def _writes_are_kerass_own(optimizer: Any) -> bool:
 # Python control flow over the traced graph, never over tensors: AutoGraph
 # has nothing to convert (and cannot convert its context managers).
 @tf.autograph.experimental.do_not_convert
+def gradients_after(
+    optimizer: Any, grads: Sequence[Any], variables: Sequence[Any], predicate: tf.Tensor
+) -> list[Any]:
+    """Each dense gradient, or a zero where `predicate` is False, through a
+    scalar `Select` (which forwards its input, no copy): the optimizer's
+    arithmetic on it then starts after the decision, as it does in Keras's
+    `tf.cond`, so each increment is written while it is still in cache
+    instead of all being held until the decision. On a skip every write is
+    gated anyway; the zero only keeps inf and NaN out of the arithmetic."""
+    out = []
+    for grad, variable in zip(grads, variables):
+        target = _tf_variable(variable)
+        if not isinstance(grad, tf.Tensor) or grad.dtype != target.dtype or not grad.shape.is_fully_defined():
+            out.append(grad)
+            continue
+        elements = grad.shape.num_elements() or 0
+        if elements > _FOLDED_ZERO_MAX_ELEMENTS:
+            buffer = _zero_buffer(optimizer, variable, negative=False)
+            if buffer is None:
+                out.append(grad)
+                continue
+            zero = tf.reshape(buffer[:elements], grad.shape)
+        else:
+            zero = tf.zeros(grad.shape, grad.dtype)
+        out.append(tf.raw_ops.Select(condition=predicate, x=grad, y=zero))
+    return out
+
+
 def gated_apply(
     optimizer: Any,
     apply: Callable[[], None],

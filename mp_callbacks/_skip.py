@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mp_callbacks._backend import tf
-from mp_callbacks._gated_update import gated_apply
+from mp_callbacks._gated_update import gated_apply, gradients_after
 from mp_callbacks._keras_internals import strategy_supports_no_merge_call
 
 __all__ = ["MECHANISMS", "apply_or_skip", "restore_if_skipped"]
@@ -78,7 +78,7 @@ def apply_or_skip(
     if mechanism == "gated":
         if not tf.distribute.has_strategy() and gated_apply(
             optimizer,
-            lambda: _apply(optimizer, grads, variables),
+            lambda: _apply(optimizer, gradients_after(optimizer, grads, variables, decision), variables),
             decision,
             forward_done=forward_done,
             restore_on_skip=restore_on_skip,
