@@ -545,8 +545,9 @@ def test_a_healthy_step_updates_outside_any_cond():
     model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "sparse_categorical_crossentropy")
     graph = _step_graph(model)
     op_types = [op.type for op in graph.get_operations()]
-    # A kernel, a bias and a momentum per layer, and the iteration counter.
-    assert op_types.count("Select") == 2 * len(model.trainable_variables) + 1
+    # Per variable: its gradient (the arithmetic waits for the decision),
+    # its own write and its momentum's; and the iteration counter.
+    assert op_types.count("Select") == 3 * len(model.trainable_variables) + 1
     # The kept batch (x, y, its step number) is restored on skip, nothing else.
     assert _writes_in_branches(graph) == 3
 
