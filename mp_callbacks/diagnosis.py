@@ -425,15 +425,15 @@ def diagnose_batch(
         )
 
     replay = forward(watch_inputs=True)
-    layer_records = {
-        layer.name: LayerRecord(
+    layer_records = {}
+    for layer in replay.order:
+        outputs = [t for _, outs in replay.calls[id(layer)] for t in outs]
+        layer_records[layer.name] = LayerRecord(
             name=layer.name,
             compute_dtype=str(getattr(layer, "compute_dtype", "float32")),
-            activation_max=_abs_max([t for _, outs in replay.calls[id(layer)] for t in outs]),
-            output_finite=_all_finite([t for _, outs in replay.calls[id(layer)] for t in outs]),
+            activation_max=_abs_max(outputs),
+            output_finite=_all_finite(outputs),
         )
-        for layer in replay.order
-    }
     if replay.loss is None:
         notes.append(
             "no loss was computed (pass y and compile the model): backward "

@@ -420,10 +420,6 @@ def _loss_scale_findings(model: keras.Model) -> list[Finding]:
     ]
 
 
-def _input_tensors(layer: Any) -> list[Any]:
-    return inbound_tensors(layer)
-
-
 def _casts_floats(layer: Any) -> bool:
     return _compute_dtype(layer) in _LOW_PRECISION and getattr(layer, "autocast", True)
 
@@ -433,7 +429,7 @@ def _inputs_reach_lookups(host: Any, lookups: list[Any]) -> bool:
     the layer is called on two small batches of different ids (1s, then
     2s) and the ids each lookup receives are compared. True when that
     cannot be told (the finding is then kept)."""
-    specs = [tensor.shape for tensor in _input_tensors(host)]
+    specs = [tensor.shape for tensor in inbound_tensors(host)]
     if not specs:
         return True
     seen: list[list[np.ndarray]] = [[], []]
@@ -483,7 +479,7 @@ def _float_index_findings(layers: list[Any]) -> list[Finding]:
             continue
         casts_on_entry = host not in lookups and _casts_floats(host)
         cast_to: str | None = _compute_dtype(host) if casts_on_entry else None
-        frontier = [(tensor, cast_to) for tensor in _input_tensors(host)]
+        frontier = [(tensor, cast_to) for tensor in inbound_tensors(host)]
         seen: set[int] = set()
         while frontier:
             tensor, cast = frontier.pop()
@@ -509,5 +505,5 @@ def _float_index_findings(layers: list[Any]) -> list[Finding]:
                     )
                     break
                 continue
-            frontier.extend((t, cast) for t in _input_tensors(producer))
+            frontier.extend((t, cast) for t in inbound_tensors(producer))
     return findings
