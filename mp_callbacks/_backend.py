@@ -1,17 +1,23 @@
-"""Import-time checks: mp_callbacks needs Keras 3 on the TensorFlow backend.
+"""Import-time checks: which Keras backend runs, and that it is one
+mp_callbacks supports (TensorFlow, or JAX).
 
-Everything else in the package imports TensorFlow and Keras through this
-module, so a missing TensorFlow or a foreign Keras backend fails once, early,
-with a message that says what to install or set.
+Everything else in the package imports Keras (and, on TensorFlow, TF)
+through this module, so a missing package or an unsupported backend fails
+once, early, with a message that says what to install or set. On JAX,
+TensorFlow is never imported: `tf` is None there.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
+from typing import Any
 
 _MIN_KERAS = (3, 10)
 _MIN_TF = (2, 19)
+#: The backends mp_callbacks runs on, in the order the docs list them.
+SUPPORTED_BACKENDS = ("tensorflow", "jax")
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -23,34 +29,51 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 
 
 _BACKEND_HINT = (
-    "Set the environment variable KERAS_BACKEND=tensorflow before importing "
-    'Keras (or set "backend": "tensorflow" in ~/.keras/keras.json).'
+    "Set the environment variable KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax "
+    'before importing Keras (or set "backend" in ~/.keras/keras.json).'
 )
 
 
 def _backend_error(backend: str) -> ImportError:
     return ImportError(
-        "mp_callbacks needs Keras's TensorFlow backend, but Keras is set to "
+        "mp_callbacks runs on Keras's TensorFlow and JAX backends, but Keras is set to "
         f"the {backend!r} backend. {_BACKEND_HINT}"
     )
 
 
 # Checked before importing Keras: Keras itself may fail to import on a
 # backend whose packages are missing, which would hide the real cause.
-_requested = os.environ.get("KERAS_BACKEND")
-if _requested and _requested != "tensorflow":
+def _configured_backend() -> str:
+    """The backend Keras will pick: KERAS_BACKEND, else keras.json's, else
+    TensorFlow (Keras's default)."""
+    requested = os.environ.get("KERAS_BACKEND")
+    if requested:
+        return requested
+    home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+    try:
+        with open(os.path.join(home, "keras.json")) as file:
+            return str(json.load(file).get("backend") or "tensorflow")
+    except (OSError, ValueError, AttributeError):
+        return "tensorflow"
+
+
+_requested = _configured_backend()
+if _requested and _requested not in SUPPORTED_BACKENDS:
     raise _backend_error(_requested)
 
-try:
-    import tensorflow as tf
-except ImportError as error:  # pragma: no cover - exercised in a bare venv only
-    raise ImportError(
-        "mp_callbacks needs TensorFlow (>= 2.19) as the Keras backend, and it "
-        "could not be imported. Install a TensorFlow build with one of the "
-        'extras: `pip install "mp_callbacks[cpu]"` (tensorflow-cpu) or '
-        '`pip install "mp_callbacks[gpu]"` (tensorflow[and-cuda]). '
-        f"Original error: {error}"
-    ) from error
+tf: Any = None
+if _requested == "tensorflow":
+    try:
+        tf = importlib.import_module("tensorflow")
+    except ImportError as error:  # pragma: no cover - exercised in a bare venv only
+        raise ImportError(
+            "mp_callbacks needs TensorFlow (>= 2.19) as the Keras backend, and it "
+            "could not be imported. Install a TensorFlow build with one of the "
+            'extras: `pip install "mp_callbacks[cpu]"` (tensorflow-cpu) or '
+            '`pip install "mp_callbacks[gpu]"` (tensorflow[and-cuda]); or run on '
+            'JAX: `pip install "mp_callbacks[jax]"` and set KERAS_BACKEND=jax. '
+            f"Original error: {error}"
+        ) from error
 
 import keras  # noqa: E402
 
@@ -60,11 +83,26 @@ if _version_tuple(keras.__version__) < _MIN_KERAS:  # pragma: no cover
         "Upgrade with `pip install -U keras`."
     )
 
-if keras.backend.backend() != "tensorflow":
-    raise _backend_error(keras.backend.backend())
+#: The Keras backend in use: "tensorflow" or "jax".
+BACKEND: str = keras.backend.backend()
+if BACKEND not in SUPPORTED_BACKENDS:
+    raise _backend_error(BACKEND)
 
-if _version_tuple(tf.__version__) < _MIN_TF:  # pragma: no cover
-    raise ImportError(f"mp_callbacks needs TensorFlow >= 2.19; found {tf.__version__}.")
+if BACKEND == "tensorflow":
+    if tf is None:  # keras.json chose TensorFlow where the environment did not
+        tf = importlib.import_module("tensorflow")
+    if _version_tuple(tf.__version__) < _MIN_TF:  # pragma: no cover
+        raise ImportError(f"mp_callbacks needs TensorFlow >= 2.19; found {tf.__version__}.")
+
+
+def counter_dtype() -> str:
+    """int64 for step counters, except on JAX without x64 mode, which has
+    no int64 (Keras truncates it to int32 there, with a warning)."""
+    if BACKEND == "jax":
+        import jax
+
+        return "int64" if jax.config.jax_enable_x64 else "int32"
+    return "int64"
 
 
 def package_version() -> str:

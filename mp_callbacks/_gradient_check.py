@@ -12,44 +12,64 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from mp_callbacks._backend import tf
+from mp_callbacks._backend import BACKEND, counter_dtype, keras, tf
 
 __all__ = ["CheckedGradients", "applied_norm", "check_gradients", "decision", "nonfinite_flag"]
+
+
+ops = keras.ops
+_FLAG = counter_dtype()
+
+
+def _total(values: list[Any]) -> Any:
+    """The sum of scalar tensors (one AddN on TensorFlow)."""
+    if BACKEND == "tensorflow":
+        return tf.add_n(values)
+    return ops.sum(ops.stack(values))
 
 
 class CheckedGradients(NamedTuple):
     """What one pass over the gradients found (see `check_gradients`)."""
 
-    flags: tf.Tensor  #: int64 [n]: 1 where a gradient holds inf or NaN
-    global_norm: tf.Tensor  #: float32: global L2 norm (meaningful when all flags are 0)
+    flags: Any  #: int64 (int32 on JAX) [n]: 1 where a gradient holds inf or NaN
+    global_norm: Any  #: float32: global L2 norm (meaningful when all flags are 0)
     #: bool: True when every gradient is finite (all flags 0), given
     #: directly so that the skip decision does not wait on the flags.
-    all_finite: tf.Tensor | None = None
+    all_finite: Any = None
 
 
 def _dense(value: Any) -> Any:
-    return value.values if isinstance(value, tf.IndexedSlices) else value
+    if BACKEND == "tensorflow" and isinstance(value, tf.IndexedSlices):
+        return value.values
+    return value
 
 
-def half_sum_of_squares(grad: Any) -> tf.Tensor:
-    """sum(grad**2) / 2 in float32, one fused kernel (L2Loss); 0 for None."""
+def half_sum_of_squares(grad: Any) -> Any:
+    """sum(grad**2) / 2 in float32 (one fused kernel: L2Loss on
+    TensorFlow, a dot product on JAX); 0 for None."""
     if grad is None:
-        return tf.constant(0.0, tf.float32)
+        return ops.zeros((), "float32")
     grad = _dense(grad)
-    if grad.dtype != tf.float32:
-        grad = tf.cast(grad, tf.float32)  # float16 squares overflow at 256
-    return tf.nn.l2_loss(grad)
+    if grad.dtype != "float32":
+        grad = ops.cast(grad, "float32")  # float16 squares overflow at 256
+    if BACKEND == "tensorflow":
+        return tf.nn.l2_loss(grad)
+    # A dot product, not sum(square(grad)): XLA would share that square
+    # with an optimizer's own g * g (Adagrad's, Adam's) and no longer
+    # contract the update into one fused multiply-add, an ulp off stock.
+    flat = ops.reshape(grad, (-1,))
+    return 0.5 * ops.dot(flat, flat)
 
 
-def nonfinite_flag(value: Any) -> tf.Tensor:
-    """1 if `value` holds any inf or NaN, else 0 (int64; 0 for None; the
-    largest flag for a list of losses)."""
+def nonfinite_flag(value: Any) -> Any:
+    """1 if `value` holds any inf or NaN, else 0 (int64, int32 on JAX; 0
+    for None; the largest flag for a list of losses)."""
     if value is None:
-        return tf.constant(0, tf.int64)
+        return ops.zeros((), _FLAG)
     if isinstance(value, (list, tuple)):
         flags = [nonfinite_flag(v) for v in value]
-        return flags[0] if len(flags) == 1 else tf.reduce_max(tf.stack(flags))
-    return tf.cast(tf.logical_not(tf.reduce_all(tf.math.is_finite(_dense(value)))), tf.int64)
+        return flags[0] if len(flags) == 1 else ops.max(ops.stack(flags))
+    return ops.cast(ops.logical_not(ops.all(ops.isfinite(_dense(value)))), _FLAG)
 
 
 def check_gradients(grads: Sequence[Any]) -> CheckedGradients:
@@ -63,23 +83,23 @@ def check_gradients(grads: Sequence[Any]) -> CheckedGradients:
     """
     grads = list(grads)
     if not grads:
-        return CheckedGradients(tf.zeros([0], tf.int64), tf.constant(0.0, tf.float32), tf.constant(True))
+        return CheckedGradients(ops.zeros([0], _FLAG), ops.zeros((), "float32"), ops.convert_to_tensor(True))
     # The sums are non-negative: their total is finite only if each is.
-    total = tf.add_n([half_sum_of_squares(g) for g in grads])
+    total = _total([half_sum_of_squares(g) for g in grads])
 
-    def exact_check() -> tuple[tf.Tensor, tf.Tensor]:
-        flags = tf.stack([nonfinite_flag(g) for g in grads])
-        return flags, tf.equal(tf.reduce_max(flags), 0)
+    def exact_check() -> tuple[Any, Any]:
+        flags = ops.stack([nonfinite_flag(g) for g in grads])
+        return flags, ops.equal(ops.max(flags), 0)
 
-    flags, all_finite = tf.cond(
-        tf.math.is_finite(total),
-        lambda: (tf.zeros([len(grads)], tf.int64), tf.constant(True)),
+    flags, all_finite = ops.cond(
+        ops.isfinite(total),
+        lambda: (ops.zeros([len(grads)], _FLAG), ops.convert_to_tensor(True)),
         exact_check,
     )
-    return CheckedGradients(flags, tf.sqrt(2.0 * total), all_finite)
+    return CheckedGradients(flags, ops.sqrt(2.0 * total), all_finite)
 
 
-def decision(checked: CheckedGradients | None, flags: tf.Tensor, replicas: int = 1) -> tf.Tensor:
+def decision(checked: CheckedGradients | None, flags: Any, replicas: int = 1) -> Any:
     """True when the step's update applies: every gradient finite.
 
     `flags` are the step's per-variable flags followed by the loss's,
@@ -88,10 +108,10 @@ def decision(checked: CheckedGradients | None, flags: tf.Tensor, replicas: int =
     """
     if replicas == 1 and checked is not None and checked.all_finite is not None:
         return checked.all_finite
-    return tf.equal(tf.reduce_sum(flags[:-1]), 0)
+    return ops.equal(ops.sum(flags[:-1]), 0)
 
 
-def applied_norm(checked: CheckedGradients, grads: list[Any], variables: list[Any]) -> tf.Tensor:
+def applied_norm(checked: CheckedGradients, grads: list[Any], variables: list[Any]) -> Any:
     """The global norm of the gradients, leaving out float8 state variables,
     whose "gradients" are their next values."""
     overwrite = [bool(getattr(v, "overwrite_with_gradient", False)) for v in variables]
@@ -99,5 +119,5 @@ def applied_norm(checked: CheckedGradients, grads: list[Any], variables: list[An
         return checked.global_norm
     squares = [half_sum_of_squares(g) for g, skip in zip(grads, overwrite) if not skip]
     if not squares:
-        return tf.constant(0.0, tf.float32)
-    return tf.sqrt(2.0 * tf.add_n(squares))
+        return ops.zeros((), "float32")
+    return ops.sqrt(2.0 * _total(squares))

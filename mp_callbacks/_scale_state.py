@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from mp_callbacks._backend import tf
+from mp_callbacks._backend import counter_dtype, keras
 from mp_callbacks._validation import FLOAT32_MAX, check_int, check_real
 
 __all__ = [
@@ -47,6 +47,10 @@ __all__ = [
 ]
 
 _OWNER = "LossScaler"
+ops = keras.ops
+#: The counters' dtype: int64, except on JAX without x64 mode, where
+#: Keras would truncate int64 to int32 (with a warning) anyway.
+COUNTER_DTYPE = counter_dtype()
 
 #: The smallest loss scale accepted anywhere (fixed, initial, min or max):
 #: 2**-24, float16's smallest positive value. Far below it, a loss of order
@@ -156,36 +160,36 @@ class StateVariable(NamedTuple):
 #: The one table of the state machine's variables. Their names are the keys
 #: of `diagnostics()`, `get_state()`/`set_state()` and of the saved weights.
 STATE_VARIABLES = (
-    StateVariable("scale", tf.float32, "the current loss scale"),
-    StateVariable("good_steps", tf.int64, "finite steps since the last growth or overflow"),
-    StateVariable("hysteresis_left", tf.int64, "overflows left before the next backoff"),
-    StateVariable("step_count", tf.int64, "steps seen (applied or skipped)"),
-    StateVariable("skipped_steps", tf.int64, "steps skipped for non-finite gradients"),
-    StateVariable("nonfinite_loss_steps", tf.int64, "steps whose loss was non-finite"),
+    StateVariable("scale", "float32", "the current loss scale"),
+    StateVariable("good_steps", COUNTER_DTYPE, "finite steps since the last growth or overflow"),
+    StateVariable("hysteresis_left", COUNTER_DTYPE, "overflows left before the next backoff"),
+    StateVariable("step_count", COUNTER_DTYPE, "steps seen (applied or skipped)"),
+    StateVariable("skipped_steps", COUNTER_DTYPE, "steps skipped for non-finite gradients"),
+    StateVariable("nonfinite_loss_steps", COUNTER_DTYPE, "steps whose loss was non-finite"),
     StateVariable(
         "divergent_steps",
-        tf.int64,
+        COUNTER_DTYPE,
         "divergent steps: a non-finite loss, or a skipped step with the scale at min_scale",
     ),
-    StateVariable("divergent_run", tf.int64, "the current run of consecutive divergent steps"),
+    StateVariable("divergent_run", COUNTER_DTYPE, "the current run of consecutive divergent steps"),
     StateVariable(
         "max_divergent_run",
-        tf.int64,
+        COUNTER_DTYPE,
         "the longest divergent run since the last reset_divergence_latches()",
     ),
     StateVariable(
         "lowest_scale",
-        tf.float32,
+        "float32",
         "the lowest scale a step reached since the last reset_lowest_scale()",
     ),
     StateVariable(
         "calibration_steps",
-        tf.int64,
+        COUNTER_DTYPE,
         "overflowing steps before the first applied one, with a finite loss: a "
         "dynamic scale calibrating down from initial_scale",
     ),
 )
-COUNTERS = tuple(v.name for v in STATE_VARIABLES if v.dtype == tf.int64)
+COUNTERS = tuple(v.name for v in STATE_VARIABLES if v.dtype == COUNTER_DTYPE)
 # Names used by earlier releases in saved weights.
 LEGACY_NAMES = {
     "skipped_count": "skipped_steps",
@@ -202,70 +206,69 @@ def initial_values(settings: ScaleSettings) -> dict[str, Any]:
     return values
 
 
-def transition(
-    settings: ScaleSettings, state: dict[str, tf.Tensor], flags: tf.Tensor, applied: tf.Tensor
-) -> dict[str, tf.Tensor]:
+def transition(settings: ScaleSettings, state: dict[str, Any], flags: Any, applied: Any) -> dict[str, Any]:
     """The state after one step (see the module's docstring): `state` holds
     the variables' values before it, `flags` the step's non-finite flags
     (per variable, then the loss; all-reduced), `applied` the decision.
     Returns the new value of every variable (the per-variable counters
-    under "nonfinite_counts": their increments)."""
-    zero = tf.constant(0, tf.int64)
-    one = tf.constant(1, tf.int64)
-    loss_diverged = tf.not_equal(flags[-1], 0)
+    under "nonfinite_counts": their increments). In `keras.ops`, so that
+    every backend runs the same state machine."""
+    counter = COUNTER_DTYPE
+    zero = ops.zeros((), counter)
+    one = ops.ones((), counter)
+    loss_diverged = ops.not_equal(flags[-1], 0)
+    not_applied = ops.logical_not(applied)
     scale = state["scale"]
-    scale = tf.where(
-        tf.logical_and(tf.math.is_finite(scale), scale > 0.0),
+    scale = ops.where(
+        ops.logical_and(ops.isfinite(scale), scale > 0.0),
         scale,
-        tf.constant(settings.initial_scale, tf.float32),
+        ops.full((), settings.initial_scale, "float32"),
     )
 
-    good = state["good_steps"] + 1
-    grow = tf.logical_and(applied, good >= settings.growth_interval)
+    good = state["good_steps"] + one
+    grow = ops.logical_and(applied, good >= settings.growth_interval)
     # Skipped for a non-finite loss: nothing the scale did, nothing to undo.
-    overflow = tf.logical_and(tf.logical_not(applied), tf.logical_not(loss_diverged))
-    bad_data = tf.logical_and(tf.logical_not(applied), loss_diverged)
-    spent = tf.maximum(state["hysteresis_left"] - 1, 0)
-    back_off = tf.logical_and(overflow, spent <= 0)
-    new_scale = tf.where(
+    overflow = ops.logical_and(not_applied, ops.logical_not(loss_diverged))
+    bad_data = ops.logical_and(not_applied, loss_diverged)
+    spent = ops.maximum(state["hysteresis_left"] - one, zero)
+    back_off = ops.logical_and(overflow, spent <= 0)
+    new_scale = ops.where(
         grow,
-        tf.minimum(scale * settings.growth_factor, settings.max_scale),
-        tf.where(back_off, tf.maximum(scale * settings.backoff_factor, settings.min_scale), scale),
+        ops.minimum(scale * settings.growth_factor, settings.max_scale),
+        ops.where(back_off, ops.maximum(scale * settings.backoff_factor, settings.min_scale), scale),
     )
-    divergent = tf.logical_or(
-        loss_diverged, tf.logical_and(tf.logical_not(applied), scale <= settings.min_scale)
-    )
-    run = tf.where(divergent, state["divergent_run"] + 1, zero)
+    divergent = ops.logical_or(loss_diverged, ops.logical_and(not_applied, scale <= settings.min_scale))
+    run = ops.where(divergent, state["divergent_run"] + one, zero)
     new = {
         "scale": new_scale,
-        "good_steps": tf.where(
-            applied, tf.where(grow, zero, good), tf.where(bad_data, state["good_steps"], zero)
+        "good_steps": ops.where(
+            applied, ops.where(grow, zero, good), ops.where(bad_data, state["good_steps"], zero)
         ),
-        "hysteresis_left": tf.where(
+        "hysteresis_left": ops.where(
             applied,
-            tf.where(grow, tf.constant(settings.hysteresis, tf.int64), state["hysteresis_left"]),
-            tf.where(bad_data, state["hysteresis_left"], spent),
+            ops.where(grow, ops.full((), settings.hysteresis, counter), state["hysteresis_left"]),
+            ops.where(bad_data, state["hysteresis_left"], spent),
         ),
         "step_count": state["step_count"] + one,
-        "skipped_steps": state["skipped_steps"] + tf.where(applied, zero, one),
-        "nonfinite_loss_steps": state["nonfinite_loss_steps"] + tf.cast(loss_diverged, tf.int64),
-        "divergent_steps": state["divergent_steps"] + tf.cast(divergent, tf.int64),
+        "skipped_steps": state["skipped_steps"] + ops.where(applied, zero, one),
+        "nonfinite_loss_steps": state["nonfinite_loss_steps"] + ops.cast(loss_diverged, counter),
+        "divergent_steps": state["divergent_steps"] + ops.cast(divergent, counter),
         "divergent_run": run,
-        "max_divergent_run": tf.maximum(state["max_divergent_run"], run),
-        "lowest_scale": tf.minimum(state["lowest_scale"], new_scale),
+        "max_divergent_run": ops.maximum(state["max_divergent_run"], run),
+        "lowest_scale": ops.minimum(state["lowest_scale"], new_scale),
         "calibration_steps": state["calibration_steps"],
-        "nonfinite_counts": tf.minimum(flags[:-1], 1),
+        "nonfinite_counts": ops.minimum(ops.cast(flags[:-1], counter), one),
     }
     if settings.is_dynamic:
         # Overflows before any step was applied, with a finite loss, room to
         # back off and a scale high enough to overflow healthy gradients: the
         # scale finding its level, not bad data. (On some CPUs an all-inf
         # batch gives a finite loss: only the scale's level tells them apart.)
-        calibrating = tf.logical_and(
-            tf.logical_and(overflow, tf.equal(state["step_count"], state["skipped_steps"])),
-            tf.logical_and(scale > settings.min_scale, scale >= CALIBRATION_FLOOR),
+        calibrating = ops.logical_and(
+            ops.logical_and(overflow, ops.equal(state["step_count"], state["skipped_steps"])),
+            ops.logical_and(scale > settings.min_scale, scale >= CALIBRATION_FLOOR),
         )
-        new["calibration_steps"] = state["calibration_steps"] + tf.cast(calibrating, tf.int64)
+        new["calibration_steps"] = state["calibration_steps"] + ops.cast(calibrating, counter)
     return new
 
 
@@ -285,7 +288,7 @@ def _valid_counter(value: np.ndarray) -> bool:
     return False
 
 
-def validated_updates(variables: dict[str, tf.Variable], state: dict[str, Any]) -> list[tuple[Any, Any]]:
+def validated_updates(variables: dict[str, Any], state: dict[str, Any]) -> list[tuple[Any, Any]]:
     """(variable, value) pairs that restore `state` (earlier releases' key
     names too), all checked before any is assigned: keys that are unknown
     or of another shape are ignored; a scale that is not a finite number
@@ -313,5 +316,5 @@ def validated_updates(variables: dict[str, tf.Variable], state: dict[str, Any]) 
                 f"{_OWNER}: cannot restore the loss scale's counter `{key}`: it "
                 f"must be a non-negative integer; received {key}={value!r}."
             )
-        updates.append((variable, tf.convert_to_tensor(value, variable.dtype)))
+        updates.append((variable, ops.convert_to_tensor(value, variable.dtype)))
     return updates
