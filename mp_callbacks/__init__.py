@@ -24,35 +24,79 @@ Public API:
   a side-by-side run; `float32_copy(model)` for serving.
 """
 
+from mp_callbacks._backend import BACKEND
 from mp_callbacks._backend import package_version as _package_version
-from mp_callbacks.autotune import autotune
-from mp_callbacks.diagnosis import PrecisionReport, diagnose_batch
-from mp_callbacks.epoch_timer import EpochTimer
-from mp_callbacks.errors import MixedPrecisionWarning, NonFiniteGradientError, UnsupportedArgumentError
-from mp_callbacks.float32_layers import float32_copy, with_float32_layers
-from mp_callbacks.hardware import POLICIES, inspect_hardware, recommend_policy
-from mp_callbacks.headroom_monitor import HeadroomMonitor
-from mp_callbacks.loss_scale import LossScaler
-from mp_callbacks.loss_scale_monitor import LossScaleMonitor
-from mp_callbacks.loss_scale_optimizer import LossScaleOptimizer
-from mp_callbacks.model import LOG_KEYS, MixedPrecisionModel
-from mp_callbacks.model_checks import Finding, check_model
-from mp_callbacks.nan_gradient_monitor import NaNGradientMonitor
-from mp_callbacks.precision_plan import PrecisionPlan
-from mp_callbacks.speed_comparison import SpeedComparison
+from mp_callbacks.errors import (
+    BackendNotSupportedError,
+    MixedPrecisionWarning,
+    NonFiniteGradientError,
+    UnsupportedArgumentError,
+)
+
+if BACKEND == "tensorflow":
+    from mp_callbacks.autotune import autotune
+    from mp_callbacks.diagnosis import PrecisionReport, diagnose_batch
+    from mp_callbacks.epoch_timer import EpochTimer
+    from mp_callbacks.float32_layers import float32_copy, with_float32_layers
+    from mp_callbacks.hardware import POLICIES, inspect_hardware, recommend_policy
+    from mp_callbacks.headroom_monitor import HeadroomMonitor
+    from mp_callbacks.loss_scale import LossScaler
+    from mp_callbacks.loss_scale_monitor import LossScaleMonitor
+    from mp_callbacks.loss_scale_optimizer import LossScaleOptimizer
+    from mp_callbacks.model import LOG_KEYS, MixedPrecisionModel
+    from mp_callbacks.model_checks import Finding, check_model
+    from mp_callbacks.nan_gradient_monitor import NaNGradientMonitor
+    from mp_callbacks.precision_plan import PrecisionPlan
+    from mp_callbacks.speed_comparison import SpeedComparison
+else:
+    from mp_callbacks.backends.jax.model import LOG_KEYS, MixedPrecisionModel
 
 __version__ = _package_version()
 
+#: Public names that run on TensorFlow only, for now.
+TENSORFLOW_ONLY = (
+    "EpochTimer",
+    "Finding",
+    "HeadroomMonitor",
+    "LossScaleMonitor",
+    "LossScaleOptimizer",
+    "LossScaler",
+    "NaNGradientMonitor",
+    "POLICIES",
+    "PrecisionPlan",
+    "PrecisionReport",
+    "SpeedComparison",
+    "autotune",
+    "check_model",
+    "diagnose_batch",
+    "float32_copy",
+    "inspect_hardware",
+    "recommend_policy",
+    "with_float32_layers",
+)
 
-def __getattr__(name: str):  # deprecated spellings, with a warning
+
+def __getattr__(name: str):
+    if name in TENSORFLOW_ONLY:
+        raise BackendNotSupportedError(
+            f"mp_callbacks.{name} runs on Keras's TensorFlow backend only, for now; Keras is "
+            f"running on {BACKEND!r}. On JAX, MixedPrecisionModel scales, skips and logs "
+            "(loss_scale, grad_norm, skipped_steps in the logs); for the rest, set "
+            "KERAS_BACKEND=tensorflow. See the backends page of the docs."
+        )
+    if BACKEND != "tensorflow":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # Deprecated spellings, with a warning.
     from mp_callbacks.loss_scale import renamed
 
     return renamed(name, __name__)
 
 
 __all__ = [
+    "BACKEND",
     "LOG_KEYS",
     "POLICIES",
+    "BackendNotSupportedError",
     "EpochTimer",
     "Finding",
     "HeadroomMonitor",
@@ -76,3 +120,5 @@ __all__ = [
     "recommend_policy",
     "with_float32_layers",
 ]
+if BACKEND != "tensorflow":  # `import *` takes only what runs here
+    __all__ = [name for name in __all__ if name not in TENSORFLOW_ONLY]

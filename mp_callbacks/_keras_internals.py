@@ -41,11 +41,26 @@ def init_functional(model: Any, args: tuple, kwargs: dict) -> None:
     """What keras.Model.__init__ does for a functional call, without its
     `inject_functional_model_class`, which rewrites the `__bases__` of every
     class between the model's and keras.Model for the whole process."""
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
     functional: Any = functional_class()
-    TensorFlowTrainer.__init__(model)
+    trainer: Any = backend_trainer_class()
+    trainer.__init__(model)
     functional.__init__(model, *args, **kwargs)
+
+
+def backend_trainer_class() -> type:
+    """The running backend's trainer (TensorFlowTrainer, JAXTrainer): the
+    base of keras.Model that holds `train_step`'s contract."""
+    from keras.src.models.model import Trainer
+
+    return Trainer
+
+
+def update_metrics_variables(
+    model: Any, metrics_variables: Any, loss: Any, x: Any, y: Any, y_pred: Any, sample_weight: Any
+) -> tuple[Any, Any]:
+    """JAXTrainer._update_metrics_variables: the loss tracker and compiled
+    metrics updated statelessly, as Keras's own JAX step updates them."""
+    return model._update_metrics_variables(metrics_variables, loss, x, y, y_pred, sample_weight)
 
 
 def all_layers(layer: Any, include_self: bool = False, recursive: bool = True) -> list[Any]:

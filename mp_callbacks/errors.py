@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-__all__ = ["MixedPrecisionWarning", "NonFiniteGradientError", "UnsupportedArgumentError"]
+__all__ = [
+    "BackendNotSupportedError",
+    "MixedPrecisionWarning",
+    "NonFiniteGradientError",
+    "UnsupportedArgumentError",
+]
 
 
 class MixedPrecisionWarning(UserWarning):
@@ -12,6 +17,11 @@ class MixedPrecisionWarning(UserWarning):
 class UnsupportedArgumentError(TypeError, ValueError):
     """An unknown keyword argument: a `TypeError` as Python (and tf.keras)
     raises it, and a `ValueError` as Keras 3's `LossScaleOptimizer` does."""
+
+
+class BackendNotSupportedError(NotImplementedError):
+    """A feature of mp_callbacks that the running Keras backend does not
+    have yet; the message names the backend and the alternative."""
 
 
 class NonFiniteGradientError(RuntimeError):

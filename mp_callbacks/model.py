@@ -33,9 +33,8 @@ from mp_callbacks._keras_internals import (
     init_functional,
     keras_default_method,
     loss_tracker,
-    output_layers,
-    register_serialized_name,
 )
+from mp_callbacks._model_building import LOG_KEYS, follow_global_policy, functional_variant
 from mp_callbacks._step_record import StepRecord
 from mp_callbacks.errors import MixedPrecisionWarning
 from mp_callbacks.loss_scale import AUTO, LossScaler, loss_scale_from_argument
@@ -45,9 +44,6 @@ from mp_callbacks.model_checks import check_model
 __all__ = ["LOG_KEYS", "MixedPrecisionModel"]
 
 logger = logging.getLogger(__name__)
-
-#: Keys that `MixedPrecisionModel.train_step` adds to the training logs.
-LOG_KEYS = ("loss_scale", "grad_norm", "skipped_steps")
 
 _AUTO = AUTO
 
@@ -92,65 +88,6 @@ def _accounted(train_step: Callable) -> Callable:
 
     accounted_train_step._mp_accounted = True  # type: ignore[attr-defined]
     return accounted_train_step
-
-
-def _follow_global_policy(model: keras.Model) -> None:
-    """Moves a model built under float32 into the mixed global policy set
-    since (see `from_model`). Keras gives every layer made without a dtype
-    the global policy object itself, so a layer still holding the model's
-    own default object was not pinned by the user."""
-    target = keras.mixed_precision.global_policy()
-    default = model.dtype_policy
-    if default.name != "float32" or target.compute_dtype == "float32" or target.quantization_mode:
-        return
-    outputs = {id(inner) for layer in output_layers(model) for inner in all_layers(layer, include_self=True)}
-    moved = []
-    for layer in all_layers(model):
-        if layer.dtype_policy is not default or id(layer) in outputs:
-            continue
-        if isinstance(layer, keras.layers.InputLayer):
-            continue
-        layer.dtype_policy = target
-        # A preprocessing layer's adapted statistics follow its compute dtype.
-        if hasattr(layer, "finalize_state") and layer.built:
-            layer.finalize_state()
-        moved.append(layer.name)
-    if moved:
-        logger.info(
-            "MixedPrecisionModel.from_model: %d layer(s) of %r built under float32 now compute "
-            "under the global policy %r (the output layers stay float32): %s",
-            len(moved),
-            model.name,
-            target.name,
-            ", ".join(moved),
-        )
-
-
-_FUNCTIONAL_VARIANTS: dict[type, type] = {}
-
-
-def _functional_variant(cls: type) -> type:
-    """`cls` with Functional mixed in, made once per class.
-
-    keras.Model handles `SubClass(inputs, outputs)` by rewriting
-    `SubClass.__bases__` in place, which would turn MixedPrecisionModel into
-    a Functional-only class for the rest of the process and break every
-    later subclass with its own `call`. A separate class per use keeps
-    both ways of building a model working side by side.
-    """
-    Functional = functional_class()
-
-    variant = _FUNCTIONAL_VARIANTS.get(cls)
-    if variant is None:
-        variant = type(
-            cls.__name__,
-            (cls, Functional),
-            {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
-        )
-        # Serialized under the name the user registered for `cls`.
-        register_serialized_name(variant, keras.saving.get_registered_name(cls))
-        _FUNCTIONAL_VARIANTS[cls] = variant
-    return variant
 
 
 def _in_multi_worker_mode(strategy: Any = None) -> bool:
@@ -335,7 +272,7 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
             # a subclass's own constructor arguments, such as a VAE's
             # encoder and decoder).
             if not isinstance(self, functional_class()):
-                self.__class__ = _functional_variant(type(self))
+                self.__class__ = functional_variant(type(self))
             init_functional(self, args, kwargs)
         else:
             super().__init__(*args, **kwargs)
@@ -395,7 +332,7 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
                 "MixedPrecisionModel instead."
             )
         kwargs.setdefault("name", model.name)
-        _follow_global_policy(model)
+        follow_global_policy(model)
         wrapped = cls(inputs=inputs, outputs=outputs, loss_scale=loss_scale, **kwargs)
         if getattr(model, "compiled", False):
             config = keras.saving.deserialize_keras_object(model.get_compile_config())

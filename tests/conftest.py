@@ -1,23 +1,39 @@
-"""Shared test set-up: two logical CPUs, quiet TensorFlow, policy hygiene."""
+"""Shared test set-up: two logical CPUs, quiet TensorFlow, policy hygiene.
+
+The backend comes from KERAS_BACKEND (TensorFlow by default). On
+TensorFlow the whole suite runs but `tests/on_jax`; with KERAS_BACKEND=jax
+only `tests/on_jax` runs, in an install that may have no TensorFlow.
+"""
 
 import contextlib
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+BACKEND = os.environ["KERAS_BACKEND"]
 
-import numpy as np
-import pytest
-import tensorflow as tf
+if BACKEND == "jax":
+    # DataParallel tests need two devices: host devices are set before JAX
+    # initialises.
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    collect_ignore_glob = ["test_*.py"]
+else:
+    collect_ignore = ["on_jax"]
 
-# MirroredStrategy tests need two devices; logical devices can only be set
-# before TensorFlow initialises its runtime, so do it at collection time.
-_cpus = tf.config.list_physical_devices("CPU")
-with contextlib.suppress(RuntimeError):  # runtime already initialised by a plugin
-    tf.config.set_logical_device_configuration(
-        _cpus[0],
-        [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()],
-    )
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+if BACKEND == "tensorflow":
+    import tensorflow as tf
+
+    # MirroredStrategy tests need two devices; logical devices can only be set
+    # before TensorFlow initialises its runtime, so do it at collection time.
+    _cpus = tf.config.list_physical_devices("CPU")
+    with contextlib.suppress(RuntimeError):  # runtime already initialised by a plugin
+        tf.config.set_logical_device_configuration(
+            _cpus[0],
+            [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()],
+        )
 
 import keras  # noqa: E402
 

@@ -1,0 +1,81 @@
+"""What every backend's `MixedPrecisionModel` shares: its log keys, a model
+brought into the global policy by `from_model`, and the functional variant
+of a subclass."""
+
+from __future__ import annotations
+
+import logging
+
+from mp_callbacks._backend import keras
+from mp_callbacks._keras_internals import (
+    all_layers,
+    functional_class,
+    output_layers,
+    register_serialized_name,
+)
+
+__all__ = ["LOG_KEYS", "follow_global_policy", "functional_variant"]
+
+logger = logging.getLogger("mp_callbacks.model")
+
+#: The keys a MixedPrecisionModel's step adds to the training logs.
+LOG_KEYS = ("loss_scale", "grad_norm", "skipped_steps")
+
+
+def follow_global_policy(model: keras.Model) -> None:
+    """Moves a model built under float32 into the mixed global policy set
+    since (see `from_model`). Keras gives every layer made without a dtype
+    the global policy object itself, so a layer still holding the model's
+    own default object was not pinned by the user."""
+    target = keras.mixed_precision.global_policy()
+    default = model.dtype_policy
+    if default.name != "float32" or target.compute_dtype == "float32" or target.quantization_mode:
+        return
+    outputs = {id(inner) for layer in output_layers(model) for inner in all_layers(layer, include_self=True)}
+    moved = []
+    for layer in all_layers(model):
+        if layer.dtype_policy is not default or id(layer) in outputs:
+            continue
+        if isinstance(layer, keras.layers.InputLayer):
+            continue
+        layer.dtype_policy = target
+        # A preprocessing layer's adapted statistics follow its compute dtype.
+        if hasattr(layer, "finalize_state") and layer.built:
+            layer.finalize_state()
+        moved.append(layer.name)
+    if moved:
+        logger.info(
+            "MixedPrecisionModel.from_model: %d layer(s) of %r built under float32 now compute "
+            "under the global policy %r (the output layers stay float32): %s",
+            len(moved),
+            model.name,
+            target.name,
+            ", ".join(moved),
+        )
+
+
+_FUNCTIONAL_VARIANTS: dict[type, type] = {}
+
+
+def functional_variant(cls: type) -> type:
+    """`cls` with Functional mixed in, made once per class.
+
+    keras.Model handles `SubClass(inputs, outputs)` by rewriting
+    `SubClass.__bases__` in place, which would turn MixedPrecisionModel into
+    a Functional-only class for the rest of the process and break every
+    later subclass with its own `call`. A separate class per use keeps
+    both ways of building a model working side by side.
+    """
+    Functional = functional_class()
+
+    variant = _FUNCTIONAL_VARIANTS.get(cls)
+    if variant is None:
+        variant = type(
+            cls.__name__,
+            (cls, Functional),
+            {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
+        )
+        # Serialized under the name the user registered for `cls`.
+        register_serialized_name(variant, keras.saving.get_registered_name(cls))
+        _FUNCTIONAL_VARIANTS[cls] = variant
+    return variant

@@ -1,0 +1,1 @@
+"""Keras's JAX backend: `MixedPrecisionModel` as a stateless step."""

@@ -1,0 +1,363 @@
+"""`MixedPrecisionModel` on Keras's JAX backend.
+
+The loss scale's state lives in non-trainable variables of the model, so
+that it travels with the rest of the state through JAX's stateless step
+and is saved with the weights. A step scales the loss, unscales the
+gradients once, checks them in one pass, runs the optimizer's
+`stateless_apply`, and keeps every piece of state that came in
+(weights, optimizer slots and `iterations`, BatchNormalization's
+statistics, seed states, EMA copies) where the step is skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+
+from mp_callbacks import _scale_state
+from mp_callbacks._backend import keras
+from mp_callbacks._keras_internals import (
+    all_layers,
+    functional_class,
+    functional_init_arguments,
+    init_functional,
+    keras_default_method,
+    update_metrics_variables,
+)
+from mp_callbacks._model_building import LOG_KEYS, follow_global_policy, functional_variant
+from mp_callbacks._validation import fail
+from mp_callbacks.backends.jax import step as jax_step
+from mp_callbacks.errors import BackendNotSupportedError
+
+__all__ = ["LOG_KEYS", "MixedPrecisionModel"]
+
+logger = logging.getLogger("mp_callbacks.model")
+ops = keras.ops
+
+AUTO = "auto"
+_REQUIREMENT = "'auto', a number in [2**-24, 2**64] (fixed scale), a LossScaler config or None (no scaling)"
+_DYNAMIC = _scale_state.ScaleSettings.checked(2.0**15, 2000, 2.0, 0.5, 1.0, 2.0**24, 1)
+_DISABLED = _scale_state.ScaleSettings.checked(1.0, 1, 2.0, 0.5, 1.0, 1.0, 1)
+#: Per-epoch figures for the logs, kept beside the scale's state.
+_EPOCH_VARIABLES = (
+    ("epoch_norm_sum", "float32"),
+    ("epoch_applied", "float32"),
+    ("epoch_skipped", "float32"),
+    ("epoch_samples", "float32"),
+)
+
+
+def _fixed(scale: float) -> _scale_state.ScaleSettings:
+    return _scale_state.ScaleSettings.checked(scale, 1, 2.0, 0.5, scale, scale, 1)
+
+
+def settings_from_argument(
+    value: Any, owner: str = "MixedPrecisionModel"
+) -> _scale_state.ScaleSettings | None:
+    """A `loss_scale` argument as the state machine's settings (None for
+    "auto": compile decides), as on TensorFlow; a `LossScaler` object is
+    TensorFlow's, and its config dict is taken instead."""
+    if isinstance(value, str):
+        if value != AUTO:
+            fail(owner, "loss_scale", value, _REQUIREMENT)
+        return None
+    if value is None:
+        return _DISABLED
+    if isinstance(value, dict) and value:
+        config = dict(value.get("config", value))
+        config.pop("name", None)
+        try:
+            return _scale_state.ScaleSettings.checked(**{**_settings_dict(_DYNAMIC), **config})
+        except TypeError:
+            fail(owner, "loss_scale", value, _REQUIREMENT, TypeError)
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+        return _fixed(_scale_state.check_fixed_scale(owner, "loss_scale", value))
+    if type(value).__name__ == "LossScaler":
+        raise BackendNotSupportedError(
+            f"{owner}: a LossScaler object is TensorFlow's; on Keras's JAX backend pass its "
+            f"settings instead, loss_scale=scaler.get_config(); received loss_scale={value!r}."
+        )
+    fail(owner, "loss_scale", value, _REQUIREMENT, TypeError)
+
+
+def _settings_dict(settings: _scale_state.ScaleSettings) -> dict[str, Any]:
+    return {
+        "initial_scale": settings.initial_scale,
+        "growth_interval": settings.growth_interval,
+        "growth_factor": settings.growth_factor,
+        "backoff_factor": settings.backoff_factor,
+        "min_scale": settings.min_scale,
+        "max_scale": settings.max_scale,
+        "hysteresis": settings.hysteresis,
+    }
+
+
+def _scaling_active(settings: _scale_state.ScaleSettings) -> bool:
+    return settings.is_dynamic or settings.initial_scale != 1.0
+
+
+@keras.saving.register_keras_serializable(package="mp_callbacks")
+class MixedPrecisionModel(keras.Model):
+    """A `keras.Model` whose step scales the loss, skips non-finite steps
+    (leaving every variable as it was) and reports `loss_scale`,
+    `grad_norm` and `skipped_steps` in the training logs; on JAX.
+
+    Args:
+        loss_scale: "auto" (the default: a dynamic scale when the model
+            computes in float16, none otherwise), a number (a fixed
+            scale), a LossScaler's config dict (`LossScaler.get_config()`),
+            or None (no scaling; non-finite steps are still skipped).
+    """
+
+    def __init__(self, *args: Any, loss_scale: Any = AUTO, **kwargs: Any) -> None:
+        if functional_init_arguments(args, kwargs):
+            if not isinstance(self, functional_class()):
+                self.__class__ = functional_variant(type(self))
+            init_functional(self, args, kwargs)
+        else:
+            super().__init__(*args, **kwargs)
+        self._mp_settings = settings_from_argument(loss_scale)
+        self._mp_chosen_by = "user" if self._mp_settings is not None else None
+        initial = _scale_state.initial_values(self._mp_settings or _DYNAMIC)
+        # Keras tracks these as the model's own non-trainable variables, so
+        # they enter JAX's stateless step with the rest of the state.
+        self._mp_state = {}
+        for spec in _scale_state.STATE_VARIABLES:
+            self._mp_state[spec.name] = self._mp_variable(spec.name, spec.dtype, initial[spec.name])
+        self._mp_epoch = {name: self._mp_variable(name, dtype, 0.0) for name, dtype in _EPOCH_VARIABLES}
+
+    def _mp_variable(self, name: str, dtype: str, value: Any) -> Any:
+        return self.add_weight(
+            shape=(),
+            dtype=dtype,
+            initializer=keras.initializers.Constant(value),
+            trainable=False,
+            autocast=False,
+            name=f"mp_loss_scale_{name}",
+        )
+
+    @classmethod
+    def from_model(cls, model: keras.Model, loss_scale: Any = AUTO, **kwargs: Any) -> MixedPrecisionModel:
+        """Wraps a built Sequential or functional model, sharing its layers
+        and weights (see the TensorFlow backend's `from_model`)."""
+        try:
+            if isinstance(model, keras.Sequential):
+                inputs, outputs = model.inputs[0], model.outputs[0]
+            else:
+                inputs, outputs = model.input, model.output
+        except (AttributeError, ValueError, IndexError, TypeError):
+            inputs = outputs = None
+        if inputs is None or outputs is None or not keras.tree.flatten(inputs):
+            raise ValueError(
+                "MixedPrecisionModel.from_model needs a model with known inputs "
+                "and outputs (a functional model, or a Sequential that starts "
+                f"with keras.Input); received model={model.name!r} of type "
+                f"{type(model).__name__}. Subclassed models should subclass "
+                "MixedPrecisionModel instead."
+            )
+        kwargs.setdefault("name", model.name)
+        follow_global_policy(model)
+        wrapped = cls(inputs=inputs, outputs=outputs, loss_scale=loss_scale, **kwargs)
+        if getattr(model, "compiled", False):
+            config = keras.saving.deserialize_keras_object(model.get_compile_config())
+            config["optimizer"] = model.optimizer
+            wrapped.compile(**config)
+        return wrapped
+
+    # ---------------------------------------------------------- loss scale
+    @property
+    def loss_scale(self) -> Any:
+        """The current loss scale (a float32 scalar); None before `compile`
+        resolves "auto"."""
+        return None if self._mp_settings is None else self._mp_state["scale"].value
+
+    def get_scale(self) -> float:
+        """The current loss scale as a Python float (1.0: no scaling)."""
+        if self._mp_settings is None:
+            return 2.0**15 if self._computes_in_float16() else 1.0
+        return float(ops.convert_to_numpy(self._mp_state["scale"].value))
+
+    def loss_scale_state(self) -> dict[str, Any]:
+        """The state machine's variables as Python numbers (a host read)."""
+        return {
+            spec.name: (float if spec.dtype == "float32" else int)(
+                ops.convert_to_numpy(self._mp_state[spec.name].value)
+            )
+            for spec in _scale_state.STATE_VARIABLES
+        }
+
+    def _computes_in_float16(self) -> bool:
+        if self.dtype_policy.compute_dtype == "float16":
+            return True
+        return any(getattr(layer, "compute_dtype", None) == "float16" for layer in all_layers(self))
+
+    def set_loss_scale(self, loss_scale: Any) -> None:
+        """Replaces the loss scale (same values as the `loss_scale`
+        argument); its state restarts from the new initial scale."""
+        settings = settings_from_argument(loss_scale)
+        self._mp_chosen_by = "user" if settings is not None else None
+        if settings is None and self.compiled:
+            settings, self._mp_chosen_by = (_DYNAMIC if self._computes_in_float16() else _DISABLED), "auto"
+        self._adopt(settings)
+
+    def _adopt(self, settings: _scale_state.ScaleSettings | None) -> None:
+        if settings == self._mp_settings:
+            return
+        self._mp_settings = settings
+        initial = _scale_state.initial_values(settings or _DYNAMIC)
+        for name, variable in self._mp_state.items():
+            variable.assign(initial[name])
+        self.train_function = None
+
+    # ------------------------------------------------------------- compile
+    def compile(self, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> None:
+        """As `keras.Model.compile`, with one loss scale: Keras's own
+        wrapping is off; a Keras `LossScaleOptimizer` is unwrapped and its
+        scale adopted; `auto_scale_loss=False` turns off "auto"."""
+        if type(self).train_step is not MixedPrecisionModel.train_step:
+            # Your own stateless train_step applies through self.optimizer:
+            # compiled as stock Keras compiles it (a LossScaleOptimizer under
+            # mixed_float16), it is never less safe than stock.
+            super().compile(optimizer, *args, **kwargs)
+            self._mp_chosen_by = self._mp_chosen_by or "own train_step"
+            self._mp_settings = self._mp_settings or _DISABLED
+            return
+        auto_scale_loss = kwargs.pop("auto_scale_loss", True)
+        optimizer = keras.optimizers.get(optimizer)
+        adopted = None
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            adopted = _scale_state.ScaleSettings.checked(
+                **{
+                    **_settings_dict(_DYNAMIC),
+                    "initial_scale": float(optimizer.initial_scale),
+                    "growth_interval": int(optimizer.dynamic_growth_steps),
+                }
+            )
+            optimizer = optimizer.inner_optimizer
+        elif getattr(optimizer, "loss_scale_factor", None) is not None:
+            adopted = _fixed(float(optimizer.loss_scale_factor))
+            optimizer.loss_scale_factor = None
+        super().compile(optimizer, *args, auto_scale_loss=False, **kwargs)
+        if adopted is not None and self._mp_chosen_by != "user":
+            self._adopt(adopted)
+            self._mp_chosen_by = "user"
+        elif self._mp_chosen_by != "user":
+            choice = "auto" if auto_scale_loss else "off"
+            if self._mp_settings is None or self._mp_chosen_by != choice:
+                self._adopt(_DYNAMIC if auto_scale_loss and self._computes_in_float16() else _DISABLED)
+                self._mp_chosen_by = choice
+
+    def fit(self, *args: Any, **kwargs: Any) -> Any:
+        """As `keras.Model.fit`. With an EMA optimizer, Keras ends `fit` by
+        assigning each average to its weight, the same JAX buffer in both;
+        the next `fit` would donate that buffer twice and fail (stock Keras
+        3.15 does). Each weight gets a buffer of its own again."""
+        history = super().fit(*args, **kwargs)
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None and getattr(optimizer, "use_ema", False):
+            for variable in self.trainable_variables:
+                variable.assign(ops.copy(variable.value))
+        return history
+
+    def make_train_function(self, force: bool = False):
+        if self._mp_settings is None:
+            raise RuntimeError("MixedPrecisionModel must be compiled before training.")
+        return super().make_train_function(force=force)
+
+    # ---------------------------------------------------------------- step
+    def train_step(self, state: Any, data: Any) -> tuple[dict[str, Any], Any]:
+        """Keras's JAX step, loss-scaled and skipped as one: check once,
+        decide once, apply or keep, update the scale's state."""
+        trainable, non_trainable, optimizer_vars, metrics_vars = state
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        settings = self._mp_settings
+        if settings is None:
+            raise RuntimeError("MixedPrecisionModel must be compiled before training.")
+        positions = {id(v): i for i, v in enumerate(self.non_trainable_variables)}
+        state_at = {name: positions[id(v)] for name, v in {**self._mp_state, **self._mp_epoch}.items()}
+        scale = non_trainable[state_at["scale"]]
+        scaling = _scaling_active(settings)
+
+        def scaled_loss(trainable_values, non_trainable_values):
+            loss, aux = self.compute_loss_and_updates(
+                trainable_values,
+                non_trainable_values,
+                metrics_vars,
+                x,
+                y,
+                sample_weight,
+                training=True,
+                optimizer_variables=optimizer_vars,
+            )
+            return (jax_step.scale_loss(loss, scale) if scaling else loss), aux
+
+        (_, aux), grads = self._value_and_grad(scaled_loss)(trainable, non_trainable)
+        loss, y_pred, new_non_trainable, metrics_vars = aux
+        if scaling:
+            grads = jax_step.unscale(grads, scale)
+        outcome = jax_step.check(grads, loss)
+        new_trainable, new_optimizer_vars = self.optimizer.stateless_apply(optimizer_vars, grads, trainable)
+        applied = outcome.applied
+        trainable = jax_step.keep_if_skipped(applied, new_trainable, trainable)
+        optimizer_vars = jax_step.keep_if_skipped(applied, new_optimizer_vars, optimizer_vars)
+        non_trainable = jax_step.keep_if_skipped(applied, new_non_trainable, non_trainable)
+        before = {name: non_trainable[state_at[name]] for name in self._mp_state}
+        after = jax_step.next_scale_state(settings, before, outcome)
+        epoch = self._next_epoch_figures(non_trainable, state_at, outcome, x)
+        for name, value in {**after, **epoch}.items():
+            if name in state_at:
+                non_trainable[state_at[name]] = value
+        logs, metrics_vars = update_metrics_variables(self, metrics_vars, loss, x, y, y_pred, sample_weight)
+        logs = dict(logs)
+        applied_steps = epoch["epoch_applied"]
+        logs["loss_scale"] = after["scale"]
+        # An epoch without an applied step has no gradient norm (0 would
+        # read as vanishing gradients).
+        logs["grad_norm"] = ops.where(
+            applied_steps > 0, epoch["epoch_norm_sum"] / ops.maximum(applied_steps, 1.0), math.nan
+        )
+        logs["skipped_steps"] = epoch["epoch_skipped"]
+        return logs, (trainable, non_trainable, optimizer_vars, metrics_vars)
+
+    @staticmethod
+    def _value_and_grad(function: Any) -> Any:
+        import jax
+
+        return jax.value_and_grad(function, has_aux=True)
+
+    @staticmethod
+    def _next_epoch_figures(
+        non_trainable: list[Any], state_at: dict[str, int], outcome: jax_step.StepOutcome, x: Any
+    ) -> dict[str, Any]:
+        applied = ops.cast(outcome.applied, "float32")
+        batch = next(t for t in keras.tree.flatten(x) if t is not None).shape[0]
+        return {
+            "epoch_norm_sum": non_trainable[state_at["epoch_norm_sum"]]
+            + ops.where(outcome.applied, outcome.global_norm, 0.0),
+            "epoch_applied": non_trainable[state_at["epoch_applied"]] + applied,
+            "epoch_skipped": non_trainable[state_at["epoch_skipped"]] + (1.0 - applied),
+            "epoch_samples": non_trainable[state_at["epoch_samples"]] + float(batch),
+        }
+
+    def epoch_sample_count(self) -> float:
+        """Samples trained on in the current epoch (a host read)."""
+        return float(ops.convert_to_numpy(self._mp_epoch["epoch_samples"].value))
+
+    def reset_metrics(self) -> None:
+        super().reset_metrics()
+        for variable in self._mp_epoch.values():
+            variable.assign(0.0)
+
+    # ---------------------------------------------------------- save / load
+    @keras_default_method
+    def get_config(self) -> dict[str, Any]:
+        config = super().get_config()
+        if self._mp_settings is None:
+            config["loss_scale"] = AUTO
+        else:
+            config["loss_scale"] = _settings_dict(self._mp_settings)
+        return config
