@@ -24,6 +24,12 @@ PAGES = sorted(path for path in DOCS.rglob("*.md"))
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
+def runs_on_jax(page: Path) -> bool:
+    """A page whose code sets Keras's JAX backend runs in the JAX suite
+    (tests/on_jax), not here."""
+    return 'os.environ["KERAS_BACKEND"] = "jax"' in page.read_text()
+
+
 def code_blocks(page: Path) -> list[str]:
     return [block for block in BLOCK.findall(page.read_text()) if not block.startswith("# fragment")]
 
@@ -50,6 +56,7 @@ def test_the_guide_has_pages_and_code():
         "autotune",
         "bench-and-doctor",
         "tensorboard",
+        "backends",
     } <= set(guide)
     assert sum(len(code_blocks(page)) for page in PAGES) >= 20
 
@@ -87,7 +94,11 @@ def run_in_a_new_process(page: Path) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("page", [p for p in PAGES if code_blocks(p)], ids=lambda p: str(p.relative_to(DOCS)))
+@pytest.mark.parametrize(
+    "page",
+    [p for p in PAGES if code_blocks(p) and not runs_on_jax(p)],
+    ids=lambda p: str(p.relative_to(DOCS)),
+)
 def test_page_code_runs_and_prints_what_it_says(page):
     run = run_in_a_new_process if "tf.distribute." in page.read_text() else run_in_this_process
     printed = [line.strip() for line in run(page) if line.strip()]
