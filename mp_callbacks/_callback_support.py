@@ -4,6 +4,7 @@ Keras's callbacks share `MonitorCallback`."""
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Any
 
 from mp_callbacks._backend import keras
@@ -23,13 +24,24 @@ class MixedPrecisionCallback(keras.callbacks.Callback):
       copy (or re-save) the whole model. A copy made from the config is what
       keras-tuner wants for each trial: same settings, fresh state.
     * Batch hooks only count steps (device reads happen per epoch, or every
-      N steps), so Keras may dispatch them asynchronously (`async_safe`).
+      N steps), so Keras may dispatch them asynchronously (`async_safe`):
+      on JAX it runs them on a thread pool, out of order, so the count
+      takes a lock (`_note_batch`).
     * The model's loss scale is found one way (`LossScaleSource.of`).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.async_safe = True
+        self._epoch_steps = 0
+        self._batch_lock = threading.Lock()
+
+    def _note_batch(self, batch: int) -> int:
+        """Counts batch `batch` (0-based) of the epoch, in whatever order
+        the hooks run; returns the steps seen so far."""
+        with self._batch_lock:
+            self._epoch_steps = max(self._epoch_steps, batch + 1)
+            return self._epoch_steps
 
     def get_config(self) -> dict[str, Any]:
         raise NotImplementedError

@@ -107,10 +107,11 @@ class EpochTimer(MixedPrecisionCallback):
         self._epoch_begin = self._clock()
 
     def on_train_batch_end(self, batch, logs=None):
-        self._epoch_steps = max(self._epoch_steps, batch + 1)
+        self._note_batch(batch)
         # Training ends at the last batch, not at this callback's epoch end:
         # callbacks before it (NaNGradientMonitor's replay) are not training.
-        self._last_batch_end = self._clock()
+        now = self._clock()  # hooks may run out of order (JAX): keep the latest
+        self._last_batch_end = now if self._last_batch_end is None else max(self._last_batch_end, now)
 
     def on_test_begin(self, logs=None):
         if self._phase == _TRAINING:  # fit's validation (not evaluate() outside fit)

@@ -155,7 +155,7 @@ class NaNGradientMonitor(MixedPrecisionCallback):
             self._epoch_start_skipped = self._last_state["skipped_steps"]
 
     def on_train_batch_end(self, batch, logs=None):
-        self._epoch_steps = max(self._epoch_steps, batch + 1)
+        self._note_batch(batch)
         step = self._steps_before_epoch + self._epoch_steps
         if step - self._last_check_step >= self.check_every:
             self._check(step, logs)
