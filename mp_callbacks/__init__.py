@@ -50,15 +50,15 @@ if BACKEND == "tensorflow":
     from mp_callbacks.speed_comparison import SpeedComparison
 else:
     from mp_callbacks.backends.jax.model import LOG_KEYS, MixedPrecisionModel
+    from mp_callbacks.epoch_timer import EpochTimer
+    from mp_callbacks.loss_scale_monitor import LossScaleMonitor
 
 __version__ = _package_version()
 
 #: Public names that run on TensorFlow only, for now.
 TENSORFLOW_ONLY = (
-    "EpochTimer",
     "Finding",
     "HeadroomMonitor",
-    "LossScaleMonitor",
     "LossScaleOptimizer",
     "LossScaler",
     "NaNGradientMonitor",

@@ -10,8 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mp_callbacks._backend import keras
-from mp_callbacks.loss_scale import LossScaler
+from mp_callbacks._backend import BACKEND, keras
+
+_Scale: type
+if BACKEND == "tensorflow":
+    from mp_callbacks.loss_scale import LossScaler
+
+    _Scale = LossScaler
+else:  # a JAX MixedPrecisionModel's scale, read between epochs
+    from mp_callbacks.backends.jax.scale_view import ScaleView
+
+    _Scale = ScaleView
 
 __all__ = ["LossScaleSource", "find_scaler", "read_variable"]
 
@@ -23,16 +32,16 @@ def read_variable(variable: Any) -> Any:
     return value.numpy() if hasattr(value, "numpy") else variable.numpy()
 
 
-def _held_scale(value: Any) -> LossScaler | None:
-    if isinstance(value, LossScaler):
+def _held_scale(value: Any) -> Any:
+    if isinstance(value, _Scale):
         return value
     held = getattr(value, "scaler", None)  # mp_callbacks.LossScaleOptimizer
-    return held if isinstance(held, LossScaler) else None
+    return held if isinstance(held, _Scale) else None
 
 
-def find_scaler(model: Any) -> LossScaler | None:
-    """The `LossScaler` a model trains with, wherever it is kept:
-    `model.scaler` (a `MixedPrecisionModel`'s), the model's
+def find_scaler(model: Any) -> Any:
+    """The `LossScaler` (on JAX: the `ScaleView`) a model trains with,
+    wherever it is kept: `model.scaler` (a `MixedPrecisionModel`'s), the model's
     `mp_callbacks.LossScaleOptimizer`, or any attribute of the model that
     holds one (a hand-written `train_step`'s `self.scaler`, or an
     optimizer attribute such as `self.d_optimizer`), in name order."""

@@ -8,6 +8,7 @@ import math
 import warnings
 from typing import Any
 
+from mp_callbacks._backend import BACKEND
 from mp_callbacks._callback_support import MixedPrecisionCallback
 from mp_callbacks._loss_scale_source import LossScaleSource, read_variable
 from mp_callbacks._validation import check_int, check_real
@@ -115,7 +116,9 @@ class LossScaleMonitor(MixedPrecisionCallback):
         self.collapse_threshold = collapse_threshold
         self.max_skipped_fraction = float(max_skipped_fraction)
         # Batch hooks only count steps (no tensor reads between N-step
-        # records), so Keras may keep dispatching them asynchronously.
+        # records), so Keras may keep dispatching them asynchronously; an
+        # N-step record reads the scale in step order, so it is not async.
+        self.async_safe = every_n_steps is None
         self._reset(LossScaleSource("none"))
 
     def _reset(self, source: LossScaleSource) -> None:
@@ -157,12 +160,12 @@ class LossScaleMonitor(MixedPrecisionCallback):
             self._iterations_at_epoch_start = int(read_variable(self.model.optimizer.iterations))
 
     def on_train_batch_end(self, batch, logs=None):
-        self._epoch_steps = max(self._epoch_steps, batch + 1)
+        self._note_batch(batch)
         if self.every_n_steps is None:
             return
         step = self._steps_before_epoch + self._epoch_steps
         if step // self.every_n_steps > self._last_recorded_step // self.every_n_steps:
-            self._record(step)
+            self._record(step, logs)
 
     def on_epoch_end(self, epoch, logs=None):
         logs = logs if logs is not None else {}
@@ -191,10 +194,15 @@ class LossScaleMonitor(MixedPrecisionCallback):
         self._check_skipped(epoch, skipped, steps, calibration, self._epoch_nonfinite_losses())
 
     # ------------------------------------------------------------ helpers
-    def _record(self, step: int) -> float:
-        """Reads the scale (and the lowest since the last read) and records it."""
-        lowest = self._source.read_lowest_scale()
-        scale = self._source.read_scale()
+    def _record(self, step: int, batch_logs: dict | None = None) -> float:
+        """Reads the scale (and the lowest since the last read) and records it.
+        On JAX, during an epoch, from the step's own logs: the model's
+        variables hold no value until the epoch ends."""
+        if BACKEND == "jax" and batch_logs is not None and "loss_scale" in batch_logs:
+            lowest = scale = float(batch_logs["loss_scale"])
+        else:
+            lowest = self._source.read_lowest_scale()
+            scale = self._source.read_scale()
         self._lowest_scale = min(self._lowest_scale, lowest, scale)
         self.history.append({"epoch": self._epoch, "step": step, "loss_scale": scale})
         self._last_recorded_step = step

@@ -394,3 +394,63 @@ def test_layers_with_state_of_their_own_skip_exactly_and_float32_equals_stock(bu
     assert [p for p in before if not np.array_equal(before[p], after[p])] == []
     assert history["skipped_steps"] == [1.0]
     assert ours.loss_scale_state()["nonfinite_loss_steps"] == 1
+
+
+class _ScaledOwnStep(mp.MixedPrecisionModel):
+    """A stateless step of your own that scales with the model's scale:
+    its own loss (mean absolute error plus an activity penalty), one
+    decision, everything kept on a skip."""
+
+    def train_step(self, state, data):
+        trainable, non_trainable, optimizer_vars, metrics_vars = state
+        x, y = data
+        scaling = self.loss_scaling(non_trainable)
+
+        def loss_fn(trainable_values, non_trainable_values):
+            y_pred, new_non_trainable = self.stateless_call(
+                trainable_values, non_trainable_values, x, training=True
+            )
+            loss = keras.ops.mean(keras.ops.abs(y - y_pred)) + 1e-3 * keras.ops.mean(keras.ops.square(y_pred))
+            return scaling.scale(loss), (loss, new_non_trainable)
+
+        (_, (loss, new_non_trainable)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            trainable, non_trainable
+        )
+        grads = scaling.unscale(grads)
+        outcome = scaling.check(grads, loss)
+        new_trainable, new_optimizer_vars = self.optimizer.stateless_apply(optimizer_vars, grads, trainable)
+        trainable, optimizer_vars, non_trainable = scaling.keep_if_skipped(
+            outcome,
+            (list(new_trainable), list(new_optimizer_vars), list(new_non_trainable)),
+            (list(trainable), list(optimizer_vars), list(non_trainable)),
+        )
+        non_trainable, logs = scaling.finish(outcome, non_trainable, x.shape[0])
+        return {"loss": loss, **logs}, (trainable, non_trainable, optimizer_vars, metrics_vars)
+
+
+def test_your_own_step_scales_and_skips_with_loss_scaling():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = _functional(_ScaledOwnStep)
+    model.compile(keras.optimizers.Adam(1e-3), auto_scale_loss=False)
+    assert not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert model.get_scale() == 2.0**15
+    x, y = _data(32)
+    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0).history
+    assert set(mp.LOG_KEYS) <= set(history)
+    before = _state(model)
+    bad = x[:8].copy()
+    bad[1, 1] = np.nan
+    history = model.fit(bad, y[:8], batch_size=8, verbose=0).history
+    after = _state(model)
+    assert [p for p in before if not np.array_equal(before[p], after[p])] == []  # BatchNorm's too
+    assert history["skipped_steps"] == [1.0]
+    assert model.loss_scale_state()["nonfinite_loss_steps"] == 1
+
+
+def test_loss_scaling_refuses_a_keras_loss_scale_optimizer_that_would_unscale_twice():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = _functional(_ScaledOwnStep)
+    model.compile(keras.optimizers.Adam(1e-3))  # stock: wrapped in Keras's LossScaleOptimizer
+    x, y = _data(8)
+    with pytest.raises(RuntimeError, match="auto_scale_loss=False"):
+        model.fit(x, y, batch_size=8, verbose=0)

@@ -12,7 +12,6 @@ statistics, seed states, EMA copies) where the step is skipped.
 from __future__ import annotations
 
 import logging
-import math
 import numbers
 from typing import Any
 
@@ -31,6 +30,7 @@ from mp_callbacks._keras_internals import (
 from mp_callbacks._model_building import LOG_KEYS, follow_global_policy, functional_variant
 from mp_callbacks._validation import fail
 from mp_callbacks.backends.jax import step as jax_step
+from mp_callbacks.backends.jax.scale_view import ScaleView
 from mp_callbacks.errors import BackendNotSupportedError
 
 __all__ = ["LOG_KEYS", "MixedPrecisionModel"]
@@ -94,10 +94,6 @@ def _settings_dict(settings: _scale_state.ScaleSettings) -> dict[str, Any]:
         "max_scale": settings.max_scale,
         "hysteresis": settings.hysteresis,
     }
-
-
-def _scaling_active(settings: _scale_state.ScaleSettings) -> bool:
-    return settings.is_dynamic or settings.initial_scale != 1.0
 
 
 @keras.saving.register_keras_serializable(package="mp_callbacks")
@@ -170,6 +166,14 @@ class MixedPrecisionModel(keras.Model):
 
     # ---------------------------------------------------------- loss scale
     @property
+    def scaler(self) -> ScaleView | None:
+        """The loss scale as the callbacks read it (None until `compile`
+        resolves "auto"): settings, `get_scale()`, `diagnostics()`."""
+        if self._mp_settings is None:
+            return None
+        return ScaleView(self._mp_settings, self._mp_state)
+
+    @property
     def loss_scale(self) -> Any:
         """The current loss scale (a float32 scalar); None before `compile`
         resolves "auto"."""
@@ -221,10 +225,12 @@ class MixedPrecisionModel(keras.Model):
         if type(self).train_step is not MixedPrecisionModel.train_step:
             # Your own stateless train_step applies through self.optimizer:
             # compiled as stock Keras compiles it (a LossScaleOptimizer under
-            # mixed_float16), it is never less safe than stock.
+            # mixed_float16), it is never less safe than stock. Its
+            # `loss_scaling()` (with auto_scale_loss=False) scales with ours.
             super().compile(optimizer, *args, **kwargs)
-            self._mp_chosen_by = self._mp_chosen_by or "own train_step"
-            self._mp_settings = self._mp_settings or _DISABLED
+            if self._mp_chosen_by != "user":
+                self._adopt(_DYNAMIC if self._computes_in_float16() else _DISABLED)
+                self._mp_chosen_by = "auto"
             return
         auto_scale_loss = kwargs.pop("auto_scale_loss", True)
         optimizer = keras.optimizers.get(optimizer)
@@ -269,18 +275,32 @@ class MixedPrecisionModel(keras.Model):
         return super().make_train_function(force=force)
 
     # ---------------------------------------------------------------- step
+    def loss_scaling(self, non_trainable_variables: Any) -> jax_step.LossScaling:
+        """The loss scale for one stateless step, read from the step's
+        `non_trainable_variables` (see `LossScaling`): what this model's
+        own `train_step` uses, and yours can (a GAN's two optimizers)."""
+        if self._mp_settings is None:
+            raise RuntimeError("MixedPrecisionModel must be compiled before training.")
+        if isinstance(getattr(self, "optimizer", None), keras.optimizers.LossScaleOptimizer):
+            raise RuntimeError(
+                f"{type(self).__name__}.loss_scaling(): self.optimizer is Keras's LossScaleOptimizer, "
+                "which scales and unscales on its own; scaling with loss_scaling() as well would "
+                "unscale twice. Compile with auto_scale_loss=False to scale with loss_scaling()."
+            )
+        positions = {id(v): i for i, v in enumerate(self.non_trainable_variables)}
+        ours = {**self._mp_state, **self._mp_epoch}
+        return jax_step.LossScaling(
+            self._mp_settings, {name: positions[id(v)] for name, v in ours.items()}, non_trainable_variables
+        )
+
     def train_step(self, state: Any, data: Any) -> tuple[dict[str, Any], Any]:
         """Keras's JAX step, loss-scaled and skipped as one: check once,
         decide once, apply or keep, update the scale's state."""
+        import jax
+
         trainable, non_trainable, optimizer_vars, metrics_vars = state
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        settings = self._mp_settings
-        if settings is None:
-            raise RuntimeError("MixedPrecisionModel must be compiled before training.")
-        positions = {id(v): i for i, v in enumerate(self.non_trainable_variables)}
-        state_at = {name: positions[id(v)] for name, v in {**self._mp_state, **self._mp_epoch}.items()}
-        scale = non_trainable[state_at["scale"]]
-        scaling = _scaling_active(settings)
+        scaling = self.loss_scaling(non_trainable)
 
         def scaled_loss(trainable_values, non_trainable_values):
             loss, aux = self.compute_loss_and_updates(
@@ -293,55 +313,22 @@ class MixedPrecisionModel(keras.Model):
                 training=True,
                 optimizer_variables=optimizer_vars,
             )
-            return (jax_step.scale_loss(loss, scale) if scaling else loss), aux
+            return scaling.scale(loss), aux
 
-        (_, aux), grads = self._value_and_grad(scaled_loss)(trainable, non_trainable)
+        (_, aux), grads = jax.value_and_grad(scaled_loss, has_aux=True)(trainable, non_trainable)
         loss, y_pred, new_non_trainable, metrics_vars = aux
-        if scaling:
-            grads = jax_step.unscale(grads, scale)
-        outcome = jax_step.check(grads, loss)
+        grads = scaling.unscale(grads)
+        outcome = scaling.check(grads, loss)
         new_trainable, new_optimizer_vars = self.optimizer.stateless_apply(optimizer_vars, grads, trainable)
-        applied = outcome.applied
-        trainable = jax_step.keep_if_skipped(applied, new_trainable, trainable)
-        optimizer_vars = jax_step.keep_if_skipped(applied, new_optimizer_vars, optimizer_vars)
-        non_trainable = jax_step.keep_if_skipped(applied, new_non_trainable, non_trainable)
-        before = {name: non_trainable[state_at[name]] for name in self._mp_state}
-        after = jax_step.next_scale_state(settings, before, outcome)
-        epoch = self._next_epoch_figures(non_trainable, state_at, outcome, x)
-        for name, value in {**after, **epoch}.items():
-            if name in state_at:
-                non_trainable[state_at[name]] = value
-        logs, metrics_vars = update_metrics_variables(self, metrics_vars, loss, x, y, y_pred, sample_weight)
-        logs = dict(logs)
-        applied_steps = epoch["epoch_applied"]
-        logs["loss_scale"] = after["scale"]
-        # An epoch without an applied step has no gradient norm (0 would
-        # read as vanishing gradients).
-        logs["grad_norm"] = ops.where(
-            applied_steps > 0, epoch["epoch_norm_sum"] / ops.maximum(applied_steps, 1.0), math.nan
+        trainable, optimizer_vars, non_trainable = scaling.keep_if_skipped(
+            outcome,
+            (list(new_trainable), list(new_optimizer_vars), list(new_non_trainable)),
+            (list(trainable), list(optimizer_vars), list(non_trainable)),
         )
-        logs["skipped_steps"] = epoch["epoch_skipped"]
-        return logs, (trainable, non_trainable, optimizer_vars, metrics_vars)
-
-    @staticmethod
-    def _value_and_grad(function: Any) -> Any:
-        import jax
-
-        return jax.value_and_grad(function, has_aux=True)
-
-    @staticmethod
-    def _next_epoch_figures(
-        non_trainable: list[Any], state_at: dict[str, int], outcome: jax_step.StepOutcome, x: Any
-    ) -> dict[str, Any]:
-        applied = ops.cast(outcome.applied, "float32")
-        batch = next(t for t in keras.tree.flatten(x) if t is not None).shape[0]
-        return {
-            "epoch_norm_sum": non_trainable[state_at["epoch_norm_sum"]]
-            + ops.where(outcome.applied, outcome.global_norm, 0.0),
-            "epoch_applied": non_trainable[state_at["epoch_applied"]] + applied,
-            "epoch_skipped": non_trainable[state_at["epoch_skipped"]] + (1.0 - applied),
-            "epoch_samples": non_trainable[state_at["epoch_samples"]] + float(batch),
-        }
+        batch_size = next(t for t in keras.tree.flatten(x) if t is not None).shape[0]
+        non_trainable, scale_logs = scaling.finish(outcome, non_trainable, batch_size)
+        logs, metrics_vars = update_metrics_variables(self, metrics_vars, loss, x, y, y_pred, sample_weight)
+        return {**logs, **scale_logs}, (trainable, non_trainable, optimizer_vars, metrics_vars)
 
     def epoch_sample_count(self) -> float:
         """Samples trained on in the current epoch (a host read)."""

@@ -19,7 +19,15 @@ from mp_callbacks import _scale_state
 from mp_callbacks._backend import keras
 from mp_callbacks._gradient_check import check_gradients, nonfinite_flag
 
-__all__ = ["StepOutcome", "check", "keep_if_skipped", "next_scale_state", "scale_loss", "unscale"]
+__all__ = [
+    "LossScaling",
+    "StepOutcome",
+    "check",
+    "keep_if_skipped",
+    "next_scale_state",
+    "scale_loss",
+    "unscale",
+]
 
 ops = keras.ops
 
@@ -52,13 +60,14 @@ def check(grads: Sequence[Any], loss: Any) -> StepOutcome:
     return StepOutcome(checked.all_finite, flags, checked.global_norm)
 
 
-def keep_if_skipped(applied: Any, new: Sequence[Any], old: Sequence[Any]) -> list[Any]:
+def keep_if_skipped(applied: Any, new: Any, old: Any) -> Any:
     """`new` where the step applies, `old` (what came in) where it is
-    skipped, as one conditional over all the leaves. Both sides are
-    computed before it, as stock Keras computes them: an elementwise
-    select fused into the update lets XLA contract BatchNormalization's
-    statistics differently (an ulp off stock in float32)."""
-    return list(jax.lax.cond(applied, lambda: list(new), lambda: list(old)))
+    skipped: any structure of arrays (lists, tuples of lists), as one
+    conditional. Both sides are computed before it, as stock Keras computes
+    them: an elementwise select fused into the update lets XLA contract
+    BatchNormalization's statistics differently (an ulp off stock in
+    float32)."""
+    return jax.lax.cond(applied, lambda: new, lambda: old)
 
 
 def next_scale_state(
@@ -67,3 +76,76 @@ def next_scale_state(
     """The loss scale's state after the step (`_scale_state.transition`,
     the one state machine every backend runs)."""
     return _scale_state.transition(settings, state, outcome.flags, outcome.applied)
+
+
+class LossScaling:
+    """The loss scale inside one stateless JAX step of a
+    `MixedPrecisionModel`: its own step, or a `train_step` of yours
+    (`model.loss_scaling(non_trainable_variables)`).
+
+    Scale each loss inside the function you differentiate, unscale its
+    gradients, check all of the step's gradients once, keep what came in
+    where the step is skipped, and finish: the scale's next state goes back
+    into the non-trainable variables, and the figures into the logs. Two
+    optimizers (a GAN's) share the one scale and the one decision.
+    """
+
+    def __init__(
+        self, settings: _scale_state.ScaleSettings, positions: dict[str, int], non_trainable: Any
+    ) -> None:
+        self._settings = settings
+        self._at = positions
+        #: The scale this step multiplies by (a float32 scalar).
+        self.value = non_trainable[positions["scale"]]
+        #: False for a fixed scale of 1: nothing is multiplied.
+        self.active = settings.is_dynamic or settings.initial_scale != 1.0
+
+    def scale(self, loss: Any) -> Any:
+        """The loss to differentiate: times the scale, in float32."""
+        return scale_loss(loss, self.value) if self.active else loss
+
+    def unscale(self, grads: Sequence[Any]) -> list[Any]:
+        """The gradients of a scaled loss, divided by the scale once."""
+        return unscale(grads, self.value) if self.active else list(grads)
+
+    def check(self, grads: Sequence[Any], losses: Any) -> StepOutcome:
+        """The step's one decision, over all its (unscaled) gradients and
+        its loss or losses: applied only if every one is finite."""
+        return check(grads, losses)
+
+    def keep_if_skipped(self, outcome: StepOutcome, new: Any, old: Any) -> Any:
+        """`new` (what the optimizers computed) if the step applies, else
+        `old` (the state that came in)."""
+        return keep_if_skipped(outcome.applied, new, old)
+
+    def finish(
+        self, outcome: StepOutcome, non_trainable: Sequence[Any], batch_size: int
+    ) -> tuple[list[Any], dict[str, Any]]:
+        """The non-trainable values with the scale's next state and this
+        epoch's figures in them, and the logs' `loss_scale`, `grad_norm`
+        and `skipped_steps`."""
+        values = list(non_trainable)
+        before = {spec.name: values[self._at[spec.name]] for spec in _scale_state.STATE_VARIABLES}
+        after = next_scale_state(self._settings, before, outcome)
+        applied = ops.cast(outcome.applied, "float32")
+        epoch = {
+            "epoch_norm_sum": values[self._at["epoch_norm_sum"]]
+            + ops.where(outcome.applied, outcome.global_norm, 0.0),
+            "epoch_applied": values[self._at["epoch_applied"]] + applied,
+            "epoch_skipped": values[self._at["epoch_skipped"]] + (1.0 - applied),
+            "epoch_samples": values[self._at["epoch_samples"]] + float(batch_size),
+        }
+        for name, value in {**after, **epoch}.items():
+            if name in self._at:
+                values[self._at[name]] = value
+        applied_steps = epoch["epoch_applied"]
+        logs = {
+            "loss_scale": after["scale"],
+            # An epoch without an applied step has no gradient norm (0 would
+            # read as vanishing gradients).
+            "grad_norm": ops.where(
+                applied_steps > 0, epoch["epoch_norm_sum"] / ops.maximum(applied_steps, 1.0), float("nan")
+            ),
+            "skipped_steps": epoch["epoch_skipped"],
+        }
+        return values, logs
