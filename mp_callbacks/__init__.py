@@ -51,13 +51,14 @@ if BACKEND == "tensorflow":
 else:
     from mp_callbacks.backends.jax.model import LOG_KEYS, MixedPrecisionModel
     from mp_callbacks.epoch_timer import EpochTimer
+    from mp_callbacks.float32_layers import float32_copy, with_float32_layers
     from mp_callbacks.loss_scale_monitor import LossScaleMonitor
+    from mp_callbacks.model_checks import Finding, check_model
 
 __version__ = _package_version()
 
 #: Public names that run on TensorFlow only, for now.
 TENSORFLOW_ONLY = (
-    "Finding",
     "HeadroomMonitor",
     "LossScaleOptimizer",
     "LossScaler",
@@ -67,12 +68,9 @@ TENSORFLOW_ONLY = (
     "PrecisionReport",
     "SpeedComparison",
     "autotune",
-    "check_model",
     "diagnose_batch",
-    "float32_copy",
     "inspect_hardware",
     "recommend_policy",
-    "with_float32_layers",
 )
 
 

@@ -18,7 +18,9 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from mp_callbacks._backend import keras
+import numpy as np
+
+from mp_callbacks._backend import BACKEND, keras
 from mp_callbacks._keras_internals import all_layers, in_memory_deserialization
 
 __all__ = ["copy_state", "layers_within", "rebuilt", "set_nested_dtypes"]
@@ -100,6 +102,10 @@ def _copy_state(pairs: list[tuple[Any, Any]]) -> None:
     for original, clone in pairs:
         store: dict[str, Any] = {}
         original.save_own_variables(store)
+        if BACKEND == "jax":
+            # A JAX variable assigned from another holds the same buffer: the
+            # copy's first donating call would delete the original's.
+            store = {key: np.array(keras.ops.convert_to_numpy(value)) for key, value in store.items()}
         clone.load_own_variables(store)
         if hasattr(original, "save_assets") and hasattr(clone, "load_assets"):
             with tempfile.TemporaryDirectory() as assets:

@@ -5,6 +5,8 @@ of a subclass."""
 from __future__ import annotations
 
 import logging
+import warnings
+from typing import Any
 
 from mp_callbacks._backend import keras
 from mp_callbacks._keras_internals import (
@@ -13,8 +15,10 @@ from mp_callbacks._keras_internals import (
     output_layers,
     register_serialized_name,
 )
+from mp_callbacks.errors import MixedPrecisionWarning
+from mp_callbacks.model_checks import check_model
 
-__all__ = ["LOG_KEYS", "follow_global_policy", "functional_variant"]
+__all__ = ["LOG_KEYS", "follow_global_policy", "functional_variant", "warn_about_findings"]
 
 logger = logging.getLogger("mp_callbacks.model")
 
@@ -79,3 +83,25 @@ def functional_variant(cls: type) -> type:
         register_serialized_name(variant, keras.saving.get_registered_name(cls))
         _FUNCTIONAL_VARIANTS[cls] = variant
     return variant
+
+
+def warn_about_findings(model: Any, loading: bool) -> None:
+    """What `check_model` finds, as one warning at a model's first compile
+    (logged instead when the model is being loaded: it warned when it was
+    first compiled)."""
+    findings = [f for f in check_model(model) if f.kind != "not_checked"]
+    if findings and loading:
+        logger.info(
+            "check_model found %d mixed-precision issue(s) in %r: %s",
+            len(findings),
+            model.name,
+            "; ".join(map(str, findings)),
+        )
+        return
+    if findings:
+        warnings.warn(
+            f"check_model found {len(findings)} mixed-precision issue(s) in "
+            f"{model.name!r}:\n" + "\n".join(f"  - {f}" for f in findings),
+            MixedPrecisionWarning,
+            stacklevel=4,
+        )

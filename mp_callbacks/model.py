@@ -34,12 +34,16 @@ from mp_callbacks._keras_internals import (
     keras_default_method,
     loss_tracker,
 )
-from mp_callbacks._model_building import LOG_KEYS, follow_global_policy, functional_variant
+from mp_callbacks._model_building import (
+    LOG_KEYS,
+    follow_global_policy,
+    functional_variant,
+    warn_about_findings,
+)
 from mp_callbacks._step_record import StepRecord
 from mp_callbacks.errors import MixedPrecisionWarning
 from mp_callbacks.loss_scale import AUTO, LossScaler, loss_scale_from_argument
 from mp_callbacks.loss_scale_optimizer import LossScaleOptimizer
-from mp_callbacks.model_checks import check_model
 
 __all__ = ["LOG_KEYS", "MixedPrecisionModel"]
 
@@ -504,23 +508,7 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
         if self._checked_model:
             return
         self._checked_model = True
-        findings = [f for f in check_model(self) if f.kind != "not_checked"]
-        if findings and self._loading:
-            # Warned when the model was first compiled, not at every load.
-            logger.info(
-                "check_model found %d mixed-precision issue(s) in %r: %s",
-                len(findings),
-                self.name,
-                "; ".join(map(str, findings)),
-            )
-            return
-        if findings:
-            warnings.warn(
-                f"check_model found {len(findings)} mixed-precision issue(s) in "
-                f"{self.name!r}:\n" + "\n".join(f"  - {f}" for f in findings),
-                MixedPrecisionWarning,
-                stacklevel=3,
-            )
+        warn_about_findings(self, self._loading)
 
     def compile_from_config(self, config: dict[str, Any]) -> None:
         # Keras skips compile_from_config for models that override compile.

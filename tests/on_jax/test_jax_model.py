@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 
 import jax
 import keras
@@ -454,3 +455,83 @@ def test_loss_scaling_refuses_a_keras_loss_scale_optimizer_that_would_unscale_tw
     x, y = _data(8)
     with pytest.raises(RuntimeError, match="auto_scale_loss=False"):
         model.fit(x, y, batch_size=8, verbose=0)
+
+
+def test_the_first_compile_warns_what_check_model_finds_once():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(3, activation="softmax")(keras.layers.Dense(8)(inputs))
+    model = mp.MixedPrecisionModel(inputs, outputs)
+    findings = mp.check_model(model)
+    assert [f.kind for f in findings] == ["output_dtype"]
+    with pytest.warns(
+        mp.MixedPrecisionWarning, match=r"(?s)check_model found 1 .*softmax is computed in float16"
+    ):
+        model.compile("sgd", "sparse_categorical_crossentropy")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mp.MixedPrecisionWarning)
+        model.compile("sgd", "sparse_categorical_crossentropy")
+
+
+def test_a_loaded_model_is_compiled_and_keeps_training(tmp_path):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = _functional(mp.MixedPrecisionModel)
+    model.compile(keras.optimizers.Adam(1e-3), "mse")
+    x, y = _data(16)
+    model.fit(x, y, batch_size=8, verbose=0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded.compiled
+    assert int(loaded.optimizer.iterations.numpy()) == int(model.optimizer.iterations.numpy())
+    history = loaded.fit(x, y, batch_size=8, verbose=0).history
+    assert set(mp.LOG_KEYS) <= set(history)
+
+
+def _trained_mixed_model():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = _functional(mp.MixedPrecisionModel, dropout=False)
+    model.compile(keras.optimizers.Adam(1e-2), "mse")
+    x, y = _data(32)
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    return model, x
+
+
+def test_weights_load_into_a_plain_keras_model_for_serving(tmp_path):
+    model, x = _trained_mixed_model()
+    path = str(tmp_path / "served.weights.h5")
+    model.save_weights(path)
+    served = _functional(keras.Model, dropout=False)
+    served.load_weights(path)
+    assert len(served.weights) == len(model.weights)  # the scale is kept apart
+    for a, b in zip(served.weights, model.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    np.testing.assert_array_equal(served.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
+def test_float32_copy_computes_in_float32_and_leaves_the_original_working():
+    model, x = _trained_mixed_model()
+    before = model.predict(x, verbose=0)
+    copy = mp.float32_copy(model)
+    assert all(layer.compute_dtype == "float32" for layer in copy.layers[1:])
+    keras.mixed_precision.set_global_policy("float32")
+    reference = _functional(keras.Model, dropout=False)
+    reference.set_weights([w.numpy() for w in model.weights])
+    np.testing.assert_array_equal(copy.predict(x, verbose=0), reference.predict(x, verbose=0))
+    # Its buffers are its own: the original still predicts (and trains).
+    np.testing.assert_array_equal(model.predict(x, verbose=0), before)
+    model.fit(x, x[:, :1], batch_size=8, verbose=0)
+
+
+def test_with_float32_layers_keeps_the_named_layer_in_float32():
+    model, x = _trained_mixed_model()
+    batch_norm = next(
+        layer.name for layer in model.layers if isinstance(layer, keras.layers.BatchNormalization)
+    )
+    adapted = mp.with_float32_layers(model, [batch_norm])
+    dtypes = {layer.name: layer.compute_dtype for layer in adapted.layers[1:]}
+    assert dtypes[batch_norm] == "float32"
+    assert sorted(set(dtypes.values())) == ["float16", "float32"]
+    adapted.compile("sgd", "mse")
+    history = adapted.fit(x, x[:, :1], batch_size=8, verbose=0).history
+    assert set(mp.LOG_KEYS) <= set(history)

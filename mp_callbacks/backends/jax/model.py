@@ -20,6 +20,7 @@ import numpy as np
 from mp_callbacks import _scale_state
 from mp_callbacks._backend import keras
 from mp_callbacks._keras_internals import (
+    LossScaleSaveable,
     all_layers,
     functional_class,
     functional_init_arguments,
@@ -27,7 +28,12 @@ from mp_callbacks._keras_internals import (
     keras_default_method,
     update_metrics_variables,
 )
-from mp_callbacks._model_building import LOG_KEYS, follow_global_policy, functional_variant
+from mp_callbacks._model_building import (
+    LOG_KEYS,
+    follow_global_policy,
+    functional_variant,
+    warn_about_findings,
+)
 from mp_callbacks._validation import fail
 from mp_callbacks.backends.jax import step as jax_step
 from mp_callbacks.backends.jax.scale_view import ScaleView
@@ -49,6 +55,10 @@ _EPOCH_VARIABLES = (
     ("epoch_skipped", "float32"),
     ("epoch_samples", "float32"),
 )
+
+
+def _variable(name: str, dtype: str, value: Any) -> Any:
+    return keras.Variable(value, dtype=dtype, trainable=False, autocast=False, name=f"mp_loss_scale_{name}")
 
 
 def _fixed(scale: float) -> _scale_state.ScaleSettings:
@@ -119,22 +129,32 @@ class MixedPrecisionModel(keras.Model):
         self._mp_settings = settings_from_argument(loss_scale)
         self._mp_chosen_by = "user" if self._mp_settings is not None else None
         initial = _scale_state.initial_values(self._mp_settings or _DYNAMIC)
-        # Keras tracks these as the model's own non-trainable variables, so
+        # Untracked by Keras (not the model's own weights: a plain
+        # keras.Model with the same layers loads this model's weights, and
+        # float32_copy copies them), yet among `non_trainable_variables`, so
         # they enter JAX's stateless step with the rest of the state.
-        self._mp_state = {}
-        for spec in _scale_state.STATE_VARIABLES:
-            self._mp_state[spec.name] = self._mp_variable(spec.name, spec.dtype, initial[spec.name])
-        self._mp_epoch = {name: self._mp_variable(name, dtype, 0.0) for name, dtype in _EPOCH_VARIABLES}
+        state = {
+            spec.name: _variable(spec.name, spec.dtype, initial[spec.name])
+            for spec in _scale_state.STATE_VARIABLES
+        }
+        epoch = {name: _variable(name, dtype, 0.0) for name, dtype in _EPOCH_VARIABLES}
+        object.__setattr__(self, "_mp_state", state)
+        object.__setattr__(self, "_mp_epoch", epoch)
 
-    def _mp_variable(self, name: str, dtype: str, value: Any) -> Any:
-        return self.add_weight(
-            shape=(),
-            dtype=dtype,
-            initializer=keras.initializers.Constant(value),
-            trainable=False,
-            autocast=False,
-            name=f"mp_loss_scale_{name}",
-        )
+    @property
+    def non_trainable_variables(self) -> list[Any]:
+        """Keras's, then the loss scale's state (untracked: see `__init__`)."""
+        return list(super().non_trainable_variables) + [*self._mp_state.values(), *self._mp_epoch.values()]
+
+    @property
+    def _loss_scale_state(self) -> LossScaleSaveable:
+        # Keras's saver finds this attribute and stores the loss scale under
+        # its own path, apart from the model's weights (as on TensorFlow).
+        saveable = self.__dict__.get("_mp_loss_scale_saveable")
+        if saveable is None:
+            saveable = LossScaleSaveable(lambda: ScaleView(self._mp_settings or _DYNAMIC, self._mp_state))
+            self.__dict__["_mp_loss_scale_saveable"] = saveable
+        return saveable
 
     @classmethod
     def from_model(cls, model: keras.Model, loss_scale: Any = AUTO, **kwargs: Any) -> MixedPrecisionModel:
@@ -231,6 +251,7 @@ class MixedPrecisionModel(keras.Model):
             if self._mp_chosen_by != "user":
                 self._adopt(_DYNAMIC if self._computes_in_float16() else _DISABLED)
                 self._mp_chosen_by = "auto"
+            self._build_optimizer()
             return
         auto_scale_loss = kwargs.pop("auto_scale_loss", True)
         optimizer = keras.optimizers.get(optimizer)
@@ -256,6 +277,29 @@ class MixedPrecisionModel(keras.Model):
             if self._mp_settings is None or self._mp_chosen_by != choice:
                 self._adopt(_DYNAMIC if auto_scale_loss and self._computes_in_float16() else _DISABLED)
                 self._mp_chosen_by = choice
+        self._build_optimizer()
+        self._warn_about_findings()
+
+    def _build_optimizer(self) -> None:
+        # Built now rather than at the first fit, so that a load right after
+        # compile (load_model, or resuming from a checkpoint) restores the
+        # optimizer's slots and iterations too instead of skipping them.
+        if self.built and not self.optimizer.built:
+            self.optimizer.build(self.trainable_variables)
+
+    def _warn_about_findings(self) -> None:
+        if self.__dict__.get("_mp_checked"):
+            return
+        self.__dict__["_mp_checked"] = True
+        warn_about_findings(self, self.__dict__.get("_mp_loading", False))
+
+    def compile_from_config(self, config: dict[str, Any]) -> None:
+        # Keras skips compile_from_config for models that override compile.
+        self.__dict__["_mp_loading"] = True
+        try:
+            self.compile(**keras.saving.deserialize_keras_object(config))
+        finally:
+            self.__dict__["_mp_loading"] = False
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         """As `keras.Model.fit`. With an EMA optimizer, Keras ends `fit` by

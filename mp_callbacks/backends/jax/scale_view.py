@@ -60,6 +60,18 @@ class ScaleView:
             values[spec.name] = int(value) if spec.name in _scale_state.COUNTERS else float(value)
         return values
 
+    def get_state(self) -> dict[str, Any]:
+        """The state as NumPy values, keyed as `LossScaler.get_state()`."""
+        return {
+            spec.name: keras.ops.convert_to_numpy(self._variables[spec.name].value)
+            for spec in _scale_state.STATE_VARIABLES
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Restores `get_state()`'s values, all checked before any is set."""
+        for variable, value in _scale_state.validated_updates(self._variables, state):
+            variable.assign(value)
+
     def reset_lowest_scale(self) -> None:
         """Restarts the lowest-scale latch from the current scale (a copy:
         two variables holding one JAX buffer would be donated twice)."""
