@@ -535,3 +535,40 @@ def test_with_float32_layers_keeps_the_named_layer_in_float32():
     adapted.compile("sgd", "mse")
     history = adapted.fit(x, x[:, :1], batch_size=8, verbose=0).history
     assert set(mp.LOG_KEYS) <= set(history)
+
+
+class _Subclassed(mp.MixedPrecisionModel):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8)
+        self.norm = keras.layers.BatchNormalization()
+        self.out = keras.layers.Dense(1, dtype="float32")
+
+    def call(self, x, training=False):
+        return self.out(self.norm(self.hidden(x), training=training))
+
+
+@pytest.mark.parametrize(
+    "fit_options",
+    [{}, {"run_eagerly": True}, {"steps_per_execution": 2}, {"jit_compile": True}],
+    ids=["default", "eager", "steps_per_execution", "jit"],
+)
+def test_a_subclassed_model_skips_exactly_however_keras_runs_the_step(fit_options):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(6)
+    model = _Subclassed()
+    model.compile(keras.optimizers.Adam(1e-3), "mse", **fit_options)
+    x, y = _data(32)
+    model.fit(x, y, batch_size=8, verbose=0)
+    before = _state(model)
+    bad = np.repeat(x[:8], 2, axis=0)
+    bad[3, 0] = np.inf
+    history = model.fit(bad, y[:16], batch_size=8, verbose=0, shuffle=False).history
+    after_steps = model.loss_scale_state()["step_count"]
+    assert history["skipped_steps"] == [1.0]  # the first batch; the second applies
+    assert after_steps == 6
+    changed = [p for p in before if not np.array_equal(before[p], _state(model)[p])]
+    assert changed  # the healthy batch trained
+    loss = model.evaluate(x, y, verbose=0)
+    assert np.isfinite(loss)
+    assert model.predict(x[:3], verbose=0).shape == (3, 1)
