@@ -10,20 +10,38 @@ import pathlib
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "mp_callbacks"
 
 
+def _module_name(path: pathlib.Path) -> str:
+    """`backends.jax.step` for mp_callbacks/backends/jax/step.py."""
+    return ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+
+
+def _modules() -> list[pathlib.Path]:
+    """Every module of the library, its subpackages' too."""
+    return sorted(p for p in PACKAGE.rglob("*.py") if p.stem not in ("__init__", "__main__"))
+
+
 def _imports(path: pathlib.Path) -> set[str]:
-    """The mp_callbacks modules `path` imports, anywhere in it."""
+    """The mp_callbacks modules `path` imports, anywhere in it (dotted
+    below the package: `backends.jax.step`)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == "mp_callbacks":
-                found |= {alias.name for alias in node.names if (PACKAGE / f"{alias.name}.py").exists()}
-            elif node.module.startswith("mp_callbacks."):
-                found.add(node.module.split(".")[1])
+            if node.module == "mp_callbacks" or node.module.startswith("mp_callbacks."):
+                base = node.module.split(".")[1:]
+                for alias in node.names:  # `from mp_callbacks.backends.jax import step`
+                    as_module = PACKAGE.joinpath(*base, f"{alias.name}.py")
+                    found.add(".".join([*base, alias.name]) if as_module.exists() else ".".join(base))
         elif isinstance(node, ast.Import):
             found |= {
-                alias.name.split(".")[1] for alias in node.names if alias.name.startswith("mp_callbacks.")
+                ".".join(alias.name.split(".")[1:])
+                for alias in node.names
+                if alias.name.startswith("mp_callbacks.")
             }
-    return found - {path.stem, "__init__"}
+    try:
+        own = _module_name(path)
+    except ValueError:  # a probe outside the package
+        own = path.stem
+    return {name for name in found if name} - {own, "__init__"}
 
 
 def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -43,12 +61,9 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_circle_between_the_librarys_modules():
-    graph = {
-        path.stem: _imports(path)
-        for path in PACKAGE.glob("*.py")
-        if path.stem not in ("__init__", "__main__")
-    }
+    graph = {_module_name(path): _imports(path) for path in _modules()}
     assert graph.get("loss_scale"), "the import scan found nothing"
+    assert "backends.jax.step" in graph["backends.jax.model"]
     assert _circles(graph) == []
 
 
@@ -83,7 +98,7 @@ def _code_lines(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
 def test_no_function_of_the_library_is_longer_than_about_80_lines():
     long = [
         f"{path.name}:{node.lineno} {node.name} ({_code_lines(node)} lines)"
-        for path in sorted(PACKAGE.glob("*.py"))
+        for path in _modules()
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
         and _code_lines(node) > MAX_FUNCTION_LINES
@@ -94,3 +109,51 @@ def test_no_function_of_the_library_is_longer_than_about_80_lines():
 def test_code_lines_leave_out_the_docstring():
     function = ast.parse('def f():\n    """Doc.\n\n    More.\n    """\n    a = 1\n    return a\n').body[0]
     assert _code_lines(function) == 2
+
+
+def _defined_attributes() -> set[str]:
+    """Every attribute name the library itself defines: methods, class
+    attributes, `self.x = ...` and `object.__setattr__(self, "x", ...)`."""
+    names = set()
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "attr", None) == "__setattr__"
+                and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant)
+            ):
+                names.add(node.args[1].value)
+    return names
+
+
+def _foreign_private_names(path: pathlib.Path, ours: set[str]) -> list[str]:
+    return [
+        f"{path.name}:{node.lineno} .{node.attr}"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+        and node.attr not in ours
+    ]
+
+
+def test_the_backends_use_no_private_name_the_library_does_not_define():
+    # The backends' modules import JAX, so the fence test of
+    # tests/test_keras_internals.py (which imports each module) cannot read
+    # them here: any private attribute they touch must be the library's own.
+    ours = _defined_attributes()
+    breaches = [
+        b for path in (PACKAGE / "backends").rglob("*.py") for b in _foreign_private_names(path, ours)
+    ]
+    assert breaches == []
+
+
+def test_a_private_keras_name_in_a_backend_is_found(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("def step(model):\n    return model._update_metrics_variables, model._mp_state\n")
+    assert _foreign_private_names(probe, _defined_attributes()) == ["probe.py:2 ._update_metrics_variables"]
