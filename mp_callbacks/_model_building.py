@@ -18,7 +18,7 @@ from mp_callbacks._keras_internals import (
 from mp_callbacks.errors import MixedPrecisionWarning
 from mp_callbacks.model_checks import check_model
 
-__all__ = ["LOG_KEYS", "follow_global_policy", "functional_variant", "warn_about_findings"]
+__all__ = ["LOG_KEYS", "follow_global_policy", "functional_variant", "warn_about_findings", "wrap_model"]
 
 logger = logging.getLogger("mp_callbacks.model")
 
@@ -105,3 +105,31 @@ def warn_about_findings(model: Any, loading: bool) -> None:
             MixedPrecisionWarning,
             stacklevel=4,
         )
+
+
+def wrap_model(cls: type, model: Any, loss_scale: Any, kwargs: dict[str, Any]) -> Any:
+    """`cls.from_model(model, loss_scale, **kwargs)` on either backend: the
+    same layers and weights, compiled as `model` was."""
+    try:
+        if isinstance(model, keras.Sequential):  # one input, one output
+            inputs, outputs = model.inputs[0], model.outputs[0]
+        else:
+            inputs, outputs = model.input, model.output
+    except (AttributeError, ValueError, IndexError, TypeError):
+        inputs = outputs = None
+    if inputs is None or outputs is None or not keras.tree.flatten(inputs):
+        raise ValueError(
+            "MixedPrecisionModel.from_model needs a model with known inputs "
+            "and outputs (a functional model, or a Sequential that starts "
+            f"with keras.Input); received model={model.name!r} of type "
+            f"{type(model).__name__}. Subclassed models should subclass "
+            "MixedPrecisionModel instead."
+        )
+    kwargs.setdefault("name", model.name)
+    follow_global_policy(model)
+    wrapped = cls(inputs=inputs, outputs=outputs, loss_scale=loss_scale, **kwargs)
+    if getattr(model, "compiled", False):
+        config = keras.saving.deserialize_keras_object(model.get_compile_config())
+        config["optimizer"] = model.optimizer
+        wrapped.compile(**config)
+    return wrapped

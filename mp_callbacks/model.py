@@ -36,9 +36,9 @@ from mp_callbacks._keras_internals import (
 )
 from mp_callbacks._model_building import (
     LOG_KEYS,
-    follow_global_policy,
     functional_variant,
     warn_about_findings,
+    wrap_model,
 )
 from mp_callbacks._step_record import StepRecord
 from mp_callbacks.errors import MixedPrecisionWarning
@@ -320,29 +320,7 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
             ValueError: `model` has no known inputs and outputs (a
                 subclassed model: subclass `MixedPrecisionModel` instead).
         """
-        try:
-            if isinstance(model, keras.Sequential):  # one input, one output
-                inputs, outputs = model.inputs[0], model.outputs[0]
-            else:
-                inputs, outputs = model.input, model.output
-        except (AttributeError, ValueError, IndexError, TypeError):
-            inputs = outputs = None
-        if inputs is None or outputs is None or not tf.nest.flatten(inputs):
-            raise ValueError(
-                "MixedPrecisionModel.from_model needs a model with known inputs "
-                "and outputs (a functional model, or a Sequential that starts "
-                f"with keras.Input); received model={model.name!r} of type "
-                f"{type(model).__name__}. Subclassed models should subclass "
-                "MixedPrecisionModel instead."
-            )
-        kwargs.setdefault("name", model.name)
-        follow_global_policy(model)
-        wrapped = cls(inputs=inputs, outputs=outputs, loss_scale=loss_scale, **kwargs)
-        if getattr(model, "compiled", False):
-            config = keras.saving.deserialize_keras_object(model.get_compile_config())
-            config["optimizer"] = model.optimizer
-            wrapped.compile(**config)
-        return wrapped
+        return wrap_model(cls, model, loss_scale, kwargs)
 
     # ---------------------------------------------------------- loss scale
     @property

@@ -30,9 +30,9 @@ from mp_callbacks._keras_internals import (
 )
 from mp_callbacks._model_building import (
     LOG_KEYS,
-    follow_global_policy,
     functional_variant,
     warn_about_findings,
+    wrap_model,
 )
 from mp_callbacks._validation import fail
 from mp_callbacks.backends.jax import step as jax_step
@@ -160,29 +160,7 @@ class MixedPrecisionModel(keras.Model):
     def from_model(cls, model: keras.Model, loss_scale: Any = AUTO, **kwargs: Any) -> MixedPrecisionModel:
         """Wraps a built Sequential or functional model, sharing its layers
         and weights (see the TensorFlow backend's `from_model`)."""
-        try:
-            if isinstance(model, keras.Sequential):
-                inputs, outputs = model.inputs[0], model.outputs[0]
-            else:
-                inputs, outputs = model.input, model.output
-        except (AttributeError, ValueError, IndexError, TypeError):
-            inputs = outputs = None
-        if inputs is None or outputs is None or not keras.tree.flatten(inputs):
-            raise ValueError(
-                "MixedPrecisionModel.from_model needs a model with known inputs "
-                "and outputs (a functional model, or a Sequential that starts "
-                f"with keras.Input); received model={model.name!r} of type "
-                f"{type(model).__name__}. Subclassed models should subclass "
-                "MixedPrecisionModel instead."
-            )
-        kwargs.setdefault("name", model.name)
-        follow_global_policy(model)
-        wrapped = cls(inputs=inputs, outputs=outputs, loss_scale=loss_scale, **kwargs)
-        if getattr(model, "compiled", False):
-            config = keras.saving.deserialize_keras_object(model.get_compile_config())
-            config["optimizer"] = model.optimizer
-            wrapped.compile(**config)
-        return wrapped
+        return wrap_model(cls, model, loss_scale, kwargs)
 
     # ---------------------------------------------------------- loss scale
     @property
