@@ -20,9 +20,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import ml_dtypes
 import numpy as np
 
-from mp_callbacks._backend import keras, tf
+from mp_callbacks._backend import BACKEND, keras, tf
 from mp_callbacks._keras_internals import (
     all_layers,
     has_layer_graph,
@@ -46,8 +47,11 @@ FLOAT16_ADVICE_THRESHOLD = 0.5
 
 
 def dtype_max(dtype: Any) -> float:
-    """Largest finite value of a floating dtype (65504 for float16)."""
-    return float(tf.as_dtype(keras.backend.standardize_dtype(dtype)).max)
+    """Largest finite value of a dtype (65504 for float16)."""
+    name = keras.backend.standardize_dtype(dtype)
+    if "float" in name:
+        return float(ml_dtypes.finfo(name).max)
+    return 1.0 if name == "bool" else float(np.iinfo(name).max)  # an integer layer (Hashing)
 
 
 def dtype_tiny(dtype: Any) -> float:
@@ -184,23 +188,34 @@ class PrecisionReport:
 
 
 def _floating_tensors(structure: Any) -> list[Any]:
-    return [t for t in tf.nest.flatten(structure) if tf.is_tensor(t) and t.dtype.is_floating]
+    return [
+        t
+        for t in keras.tree.flatten(structure)
+        if keras.ops.is_tensor(t) and "float" in keras.backend.standardize_dtype(t.dtype)
+    ]
+
+
+def _size(tensor: Any) -> int:
+    return int(np.prod(keras.ops.shape(tensor)))
 
 
 def _all_finite(tensors: list[Any]) -> bool:
-    return all(bool(tf.reduce_all(tf.math.is_finite(t))) for t in tensors)
+    return all(bool(keras.ops.all(keras.ops.isfinite(t))) for t in tensors)
 
 
 def _abs_max(tensors: list[Any]) -> float:
-    if not tensors:
-        return 0.0
-    values = [tf.reduce_max(tf.abs(tf.cast(t, tf.float32))) for t in tensors if tf.size(t) > 0]
+    values = [keras.ops.max(keras.ops.abs(keras.ops.cast(t, "float32"))) for t in tensors if _size(t) > 0]
     if not values:
         return 0.0
     if not _all_finite(tensors):
-        has_nan = any(bool(tf.reduce_any(tf.math.is_nan(t))) for t in tensors)
+        has_nan = any(bool(keras.ops.any(keras.ops.isnan(t))) for t in tensors)
         return math.nan if has_nan else math.inf
     return float(max(float(v) for v in values))
+
+
+def _worst(first: float, second: float) -> float:
+    """The larger magnitude, NaN winning (`max` would drop a NaN second)."""
+    return math.nan if math.isnan(first) or math.isnan(second) else max(first, second)
 
 
 def _own_trainable_weights(layer: Any) -> list[Any]:
@@ -210,6 +225,16 @@ def _own_trainable_weights(layer: Any) -> list[Any]:
 
 def _inspected_layers(model: keras.Model) -> list[Any]:
     return [layer for layer in all_layers(model) if not isinstance(layer, keras.layers.InputLayer)]
+
+
+def _traced(tensors: list[Any]) -> bool:
+    """A layer called inside a JAX transformation's body (an RNN's cell
+    under `lax.scan`): its values exist only there, its caller is recorded."""
+    if BACKEND != "jax":
+        return False
+    from mp_callbacks.backends.jax.replay import is_traced
+
+    return is_traced(tensors)
 
 
 @contextlib.contextmanager
@@ -235,6 +260,8 @@ def recording_layers(
                     tape.watch(tensor)
             outputs = original(*args, **kwargs)
             flat_outputs = _floating_tensors(outputs)
+            if _traced(inputs + flat_outputs):
+                return outputs
             if tape is not None:
                 for tensor in flat_outputs:
                     tape.watch(tensor)
@@ -282,7 +309,7 @@ def _reference_ranges(model: keras.Model, x: Any) -> dict[str, tuple[float, floa
         model(x, training=True)
     for layer, inputs, outputs in records:
         old_in, old_out = ranges.get(layer.name, (0.0, 0.0))
-        ranges[layer.name] = (max(old_in, _abs_max(inputs)), max(old_out, _abs_max(outputs)))
+        ranges[layer.name] = (_worst(old_in, _abs_max(inputs)), _worst(old_out, _abs_max(outputs)))
     return ranges
 
 
@@ -316,7 +343,9 @@ def layer_output_ranges(model: keras.Model, x: Any) -> dict[str, OutputRange]:
 
 
 # What TensorFlow raises for an op without a gradient (in that dtype).
-_NO_GRADIENT = (TypeError, LookupError, ValueError, NotImplementedError, tf.errors.OpError)
+_NO_GRADIENT: tuple[type[Exception], ...] = (TypeError, LookupError, ValueError, NotImplementedError) + (
+    (tf.errors.OpError,) if tf is not None else ()
+)
 
 
 def _gradient_targets(
@@ -375,7 +404,8 @@ def diagnose_batch(
         A `PrecisionReport`; `str(report)` is a table.
 
     The batch runs in training mode, as in `fit`; state the forward pass
-    updates (BatchNormalization's moving statistics) is put back afterwards.
+    updates (BatchNormalization's moving statistics, a weight that
+    SpectralNormalization writes) is put back afterwards.
 
     Example:
 
@@ -394,11 +424,7 @@ def diagnose_batch(
     print(report.first_nonfinite_layer, report.origin)  # hidden hidden
     ```
     """
-    x = tf.nest.map_structure(lambda v: tf.convert_to_tensor(v) if v is not None else v, x)
-    if y is not None:
-        y = tf.nest.map_structure(tf.convert_to_tensor, y)
-    if sample_weight is not None:
-        sample_weight = tf.convert_to_tensor(sample_weight)
+    x, y, sample_weight = _as_tensors((x, y, sample_weight))
     if loss_scale is None:
         loss_scale = LossScaleSource.of(model).read_scale()
     notes: list[str] = []
@@ -407,7 +433,11 @@ def diagnose_batch(
             f"{type(model).__name__} is subclassed: its sub-layers are inspected, but "
             "operations written directly in its call() between them are not."
         )
-    forward_state = list(model.non_trainable_variables)
+    # Weights too: a forward pass in training mode may write them
+    # (SpectralNormalization writes its layer's kernel).
+    forward_state = list(
+        {id(v): v for v in model.trainable_variables + model.non_trainable_variables}.values()
+    )
     saved_state = [v.numpy() for v in forward_state]
 
     reference: dict[str, tuple[float, float]] = {}
@@ -424,44 +454,102 @@ def diagnose_batch(
             model, (x, y, sample_weight), loss_scale, list(zip(forward_state, saved_state)), watch_inputs
         )
 
-    replay = forward(watch_inputs=True)
+    if BACKEND == "jax":
+        backward = _backward_on_jax(model, x, y, sample_weight, float(loss_scale))
+    else:
+        backward = _backward_on_tensorflow(forward, notes)
     layer_records = {}
-    for layer in replay.order:
-        outputs = [t for _, outs in replay.calls[id(layer)] for t in outs]
+    for layer in backward.order:
+        outputs = [t for _, outs in backward.calls[id(layer)] for t in outs]
         layer_records[layer.name] = LayerRecord(
             name=layer.name,
             compute_dtype=str(getattr(layer, "compute_dtype", "float32")),
             activation_max=_abs_max(outputs),
             output_finite=_all_finite(outputs),
         )
-    if replay.loss is None:
+    if backward.loss is None:
         notes.append(
             "no loss was computed (pass y and compile the model): backward "
             "origin and underflow are not reported."
         )
     else:
-        # Every layer's inputs, own weights and outputs, in one backward pass.
-        spans, targets = _gradient_targets(replay.order, replay.calls)
-        try:
-            gradients = replay.tape.gradient(replay.scaled_loss, targets) if targets else []
-        except _NO_GRADIENT as error:
-            # TensorFlow has no bfloat16 gradient for an augmentation
-            # layer's image transform, which training never needs (no weights
-            # are behind it): the same pass again, watching only outputs.
-            notes.append(
-                "no gradient for some layers' inputs "
-                f"({type(error).__name__}: {error}); each layer's gradients are "
-                "taken at its weights and outputs."
-            )
-            del replay
-            replay = forward(watch_inputs=False)
-            spans, targets = _gradient_targets(replay.order, replay.calls)
-            gradients = _gradients(replay.tape, replay.scaled_loss, targets, spans, notes)
-        _note_gradients(layer_records, spans, gradients, float(loss_scale))
-    ordered = [layer_records[layer.name] for layer in replay.order]
-    loss = replay.loss
-    del replay
+        _note_gradients(layer_records, backward.spans, backward.gradients, float(loss_scale))
+    ordered = [layer_records[layer.name] for layer in backward.order]
+    loss = backward.loss
     return _report(ordered, reference, None if loss is None else float(loss), float(loss_scale), notes)
+
+
+class _Backward(NamedTuple):
+    """The replayed layers in forward order, each layer's calls, the loss
+    and the gradients at every layer's inputs, own weights and outputs
+    (laid out by `spans`; empty without a loss)."""
+
+    order: list[Any]
+    calls: dict[int, list[tuple[list[Any], list[Any]]]]
+    loss: Any
+    spans: list[tuple[Any, int, int, int]]
+    gradients: list[Any]
+
+
+def _backward_on_tensorflow(forward: Any, notes: list[str]) -> _Backward:
+    """Every layer's inputs, own weights and outputs, in one backward pass
+    on one persistent tape."""
+    replay = forward(watch_inputs=True)
+    if replay.loss is None:
+        return _Backward(replay.order, replay.calls, None, [], [])
+    spans, targets = _gradient_targets(replay.order, replay.calls)
+    try:
+        gradients = replay.tape.gradient(replay.scaled_loss, targets) if targets else []
+    except _NO_GRADIENT as error:
+        # TensorFlow has no bfloat16 gradient for an augmentation
+        # layer's image transform, which training never needs (no weights
+        # are behind it): the same pass again, watching only outputs.
+        notes.append(
+            "no gradient for some layers' inputs "
+            f"({type(error).__name__}: {error}); each layer's gradients are "
+            "taken at its weights and outputs."
+        )
+        del replay
+        replay = forward(watch_inputs=False)
+        spans, targets = _gradient_targets(replay.order, replay.calls)
+        gradients = _gradients(replay.tape, replay.scaled_loss, targets, spans, notes)
+    return _Backward(replay.order, replay.calls, replay.loss, spans, gradients)
+
+
+def _backward_on_jax(model: keras.Model, x: Any, y: Any, sample_weight: Any, loss_scale: float) -> _Backward:
+    """The same figures from `jax.grad` at zero probes (no tape on JAX)."""
+    from mp_callbacks.backends.jax.replay import replay
+
+    result = replay(model, _inspected_layers(model), x, y, sample_weight, loss_scale)
+    order: list[Any] = []
+    calls: dict[int, list[tuple[list[Any], list[Any]]]] = {}
+    grads: dict[int, list[tuple[list[Any], list[Any]]]] = {}
+    for index, call in enumerate(result.calls):
+        if id(call.layer) not in calls:
+            order.append(call.layer)
+            calls[id(call.layer)], grads[id(call.layer)] = [], []
+        calls[id(call.layer)].append((call.inputs, call.outputs))
+        if result.loss is not None:
+            grads[id(call.layer)].append((result.input_gradients[index], result.output_gradients[index]))
+    if result.loss is None:
+        return _Backward(order, calls, None, [], [])
+    spans, _ = _gradient_targets(order, calls)
+    weight_index = {id(v): i for i, v in enumerate(model.trainable_variables)}
+    gradients: list[Any] = []
+    for layer in order:
+        gradients += [g for inputs, _ in grads[id(layer)] for g in inputs]
+        gradients += [result.weight_gradients[weight_index[id(w)]] for w in _own_trainable_weights(layer)]
+        gradients += [g for _, outputs in grads[id(layer)] for g in outputs]
+    return _Backward(order, calls, result.loss, spans, gradients)
+
+
+def _as_tensors(structure: Any) -> Any:
+    """The arrays of `structure` as the backend's tensors (None kept)."""
+    if tf is not None:  # tf.nest keeps strings and ragged inputs as TensorFlow reads them
+        return tf.nest.map_structure(lambda v: tf.convert_to_tensor(v) if v is not None else v, structure)
+    return keras.tree.map_structure(
+        lambda v: keras.ops.convert_to_tensor(v) if v is not None else v, structure
+    )
 
 
 class _Replay(NamedTuple):
@@ -508,7 +596,8 @@ def _note_gradients(
     """Each layer's gradient finiteness, largest gradient and underflow share."""
     for layer, start, n_in, n_out in spans:
         grads = [g for g in gradients[start : start + n_in] if g is not None]
-        grads = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
+        if tf is not None:
+            grads = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
         record = layer_records[layer.name]
         record.gradient_finite = _all_finite(grads) if grads else True
         out_grads = [g for g in gradients[start + n_in : start + n_in + n_out] if g is not None]
@@ -516,9 +605,13 @@ def _note_gradients(
             record.gradient_max = _abs_max(grads + out_grads) / loss_scale
         if out_grads:
             tiny = dtype_tiny(out_grads[0].dtype)
-            total = sum(int(tf.size(g)) for g in out_grads)
+            total = sum(_size(g) for g in out_grads)
             small = sum(
-                int(tf.reduce_sum(tf.cast(tf.abs(tf.cast(g, tf.float32)) <= tiny, tf.int64)))
+                int(
+                    keras.ops.sum(
+                        keras.ops.cast(keras.ops.abs(keras.ops.cast(g, "float32")) <= tiny, "int32")
+                    )
+                )
                 for g in out_grads
             )
             record.underflow = small / total if total else 0.0
