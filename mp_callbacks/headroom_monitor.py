@@ -8,7 +8,7 @@ import math
 import warnings
 from typing import Any
 
-from mp_callbacks._backend import keras, tf
+from mp_callbacks._backend import BACKEND, keras
 from mp_callbacks._callback_support import MixedPrecisionCallback
 from mp_callbacks._keras_internals import global_seed_generator_state
 from mp_callbacks._validation import check_int, check_real, fail
@@ -105,6 +105,9 @@ class HeadroomMonitor(MixedPrecisionCallback):
         target: str | keras.Model | None = None,
     ) -> None:
         super().__init__()
+        # Its probe runs the model between steps: never on Keras's thread
+        # pool (JAX), where the next step would donate the weights it reads.
+        self.async_safe = False
         owner = "HeadroomMonitor"
         if probe is None:
             raise TypeError(f"{owner}: `probe` must be a batch of model inputs; received probe=None.")
@@ -197,6 +200,10 @@ class HeadroomMonitor(MixedPrecisionCallback):
     def _probe(self) -> None:
         if self._probed_model is None:
             return
+        if BACKEND == "jax":
+            # Mid-epoch, JAX's trained state is not in the variables: reading
+            # a callback's `model` is what makes Keras write it there.
+            _ = self.model
         try:
             ranges = _leaving_state_as_it_was(
                 self._probed_model, lambda: layer_output_ranges(self._probed_model, self.probe)
@@ -270,7 +277,7 @@ def _leaving_state_as_it_was(model: keras.Model, run: Any) -> Any:
     global_seed = global_seed_generator_state()
     if global_seed is not None:
         state.append(global_seed)
-    saved = [tf.identity(v.value) for v in state]
+    saved = [keras.ops.copy(v.value) for v in state]  # a copy: JAX donates the buffers it trains on
     try:
         return run()
     finally:
