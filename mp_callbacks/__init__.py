@@ -50,8 +50,10 @@ if BACKEND == "tensorflow":
     from mp_callbacks.speed_comparison import SpeedComparison
 else:
     from mp_callbacks.backends.jax.model import LOG_KEYS, MixedPrecisionModel
+    from mp_callbacks.diagnosis import PrecisionReport, diagnose_batch
     from mp_callbacks.epoch_timer import EpochTimer
     from mp_callbacks.float32_layers import float32_copy, with_float32_layers
+    from mp_callbacks.headroom_monitor import HeadroomMonitor
     from mp_callbacks.loss_scale_monitor import LossScaleMonitor
     from mp_callbacks.model_checks import Finding, check_model
 
@@ -59,16 +61,13 @@ __version__ = _package_version()
 
 #: Public names that run on TensorFlow only, for now.
 TENSORFLOW_ONLY = (
-    "HeadroomMonitor",
     "LossScaleOptimizer",
     "LossScaler",
     "NaNGradientMonitor",
     "POLICIES",
     "PrecisionPlan",
-    "PrecisionReport",
     "SpeedComparison",
     "autotune",
-    "diagnose_batch",
     "inspect_hardware",
     "recommend_policy",
 )
