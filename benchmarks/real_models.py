@@ -28,7 +28,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras
 import numpy as np
-import tensorflow as tf
 from _timing import OPTIMIZERS, add_real_model_options, apply_threads, compare, report
 
 import mp_callbacks as mp
@@ -64,6 +63,8 @@ def data_for(name: str, samples: int):
 
 
 def main(argv=None):
+    import tensorflow as tf  # here: the models above are built on JAX too (jax_step_overhead.py)
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_real_model_options(parser, mp.POLICIES, ["resnet50", "transformer", "both"])
     parser.add_argument("--rounds", type=int, default=5)

@@ -1,0 +1,140 @@
+"""What does a healthy training step cost on Keras's JAX backend?
+
+The JAX counterpart of `step_overhead.py`: each contender's `train_step`,
+compiled with `jax.jit` and donating its state as `fit` compiles it, takes
+one step in turn, the order rotating every step, on the same few batches,
+for `--steps` rounds; each step is waited for (`block_until_ready`). Prints
+each contender's median step time and its ratios to stock Keras on JAX: the
+median of each round's own ratio ("paired"), and the ratios of the medians,
+of the lower quartiles and of the fastest steps.
+
+Contenders: stock `keras.Model`, `MixedPrecisionModel.from_model` on a copy
+of the same layers and (`--peer`) stock `keras.Model` with Keras's own
+`LossScaleOptimizer`, which on JAX keeps the weights and slots on a
+non-finite step (but not BatchNormalization's statistics).
+
+    KERAS_BACKEND=jax python benchmarks/jax_step_overhead.py --model transformer --steps 300 --peer
+    KERAS_BACKEND=jax python benchmarks/jax_step_overhead.py --model resnet50 --optimizer sgd --steps 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import jax
+import keras
+from _timing import OPTIMIZERS
+from real_models import data_for, resnet50, transformer
+
+import mp_callbacks as mp
+
+BATCHES = 8
+POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+
+
+def contenders(build, optimizer, peer: bool) -> dict[str, keras.Model]:
+    models = {}
+    keras.utils.set_random_seed(0)
+    models["stock"] = build()
+    keras.utils.set_random_seed(0)
+    models["MixedPrecisionModel"] = mp.MixedPrecisionModel.from_model(build())
+    for model in models.values():
+        model.compile(optimizer(), "sparse_categorical_crossentropy")
+    if peer:
+        keras.utils.set_random_seed(0)
+        models["keras LossScaleOptimizer"] = build()
+        models["keras LossScaleOptimizer"].compile(
+            keras.optimizers.LossScaleOptimizer(optimizer()), "sparse_categorical_crossentropy"
+        )
+    return models
+
+
+def _state(model: keras.Model) -> tuple:
+    """The step's state as `fit` passes it, copied (the step donates it)."""
+    return tuple(
+        [jax.numpy.copy(v.value) for v in variables]
+        for variables in (
+            model.trainable_variables,
+            model.non_trainable_variables,
+            model.optimizer.variables,
+            model.metrics_variables,
+        )
+    )
+
+
+def interleaved_steps(models, batches, steps: int) -> dict[str, list[float]]:
+    step_of, state_of = {}, {}
+    for name, model in models.items():
+        x, y = batches[0]
+        model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)  # builds as fit does
+        step_of[name] = jax.jit(model.train_step, donate_argnums=0)
+        state_of[name] = _state(model)
+        for batch in batches[:3]:  # tracing and warm-up
+            logs, state_of[name] = step_of[name](state_of[name], batch)
+        jax.block_until_ready(state_of[name])
+    names = list(models)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(steps):
+        batch = batches[i % len(batches)]
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            logs, state_of[name] = step_of[name](state_of[name], batch)
+            jax.block_until_ready((logs, state_of[name]))
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["resnet50", "transformer"], default="transformer")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
+    parser.add_argument("--policy", default="float32", choices=POLICIES)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=300, help="interleaved rounds of one step each")
+    parser.add_argument(
+        "--peer", action="store_true", help="also time stock keras.Model with Keras's LossScaleOptimizer"
+    )
+    args = parser.parse_args(argv)
+    if keras.backend.backend() != "jax":
+        parser.error(f"runs on Keras's JAX backend; KERAS_BACKEND is {keras.backend.backend()!r}")
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1; got {args.steps}")
+    keras.mixed_precision.set_global_policy(args.policy)
+    build = resnet50 if args.model == "resnet50" else transformer
+    data = data_for(args.model, BATCHES * args.batch_size)
+    size = args.batch_size
+    batches = [
+        (
+            jax.numpy.asarray(data.x_train[i * size : (i + 1) * size]),
+            jax.numpy.asarray(data.y_train[i * size : (i + 1) * size]),
+        )
+        for i in range(BATCHES)
+    ]
+    models = contenders(build, OPTIMIZERS[args.optimizer], args.peer)
+    print(
+        f"{args.model}: {args.optimizer}, policy {args.policy}, {args.steps} interleaved steps of "
+        f"{size}; JAX {jax.__version__} on {jax.devices()[0].platform}, Keras {keras.__version__}"
+    )
+    times = interleaved_steps(models, batches, args.steps)
+    stock = sorted(times["stock"])
+    for name, values in times.items():
+        paired = statistics.median(a / b for a, b in zip(values, times["stock"]))
+        values = sorted(values)
+        quartile = len(values) // 4
+        print(
+            f"  {name:34s} median {statistics.median(values) * 1e3:8.2f} ms   ratio to stock: "
+            f"paired {paired:.3f}   "
+            f"median {statistics.median(values) / statistics.median(stock):.3f}   "
+            f"lower quartile {values[quartile] / stock[quartile]:.3f}   "
+            f"fastest {values[0] / stock[0]:.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
