@@ -53,6 +53,7 @@ else:
     from mp_callbacks.diagnosis import PrecisionReport, diagnose_batch
     from mp_callbacks.epoch_timer import EpochTimer
     from mp_callbacks.float32_layers import float32_copy, with_float32_layers
+    from mp_callbacks.hardware import POLICIES, inspect_hardware, recommend_policy
     from mp_callbacks.headroom_monitor import HeadroomMonitor
     from mp_callbacks.loss_scale_monitor import LossScaleMonitor
     from mp_callbacks.model_checks import Finding, check_model
@@ -64,12 +65,9 @@ TENSORFLOW_ONLY = (
     "LossScaleOptimizer",
     "LossScaler",
     "NaNGradientMonitor",
-    "POLICIES",
     "PrecisionPlan",
     "SpeedComparison",
     "autotune",
-    "inspect_hardware",
-    "recommend_policy",
 )
 
 

@@ -7,7 +7,8 @@ TensorFlow's kernels make of it on this machine: the same `mixed_bfloat16`
 has trained 2.5x faster than float32 on one CPU and 3x slower on another.
 So the advisor measures: `measure_policy_speed` runs a short probe (matrix
 multiply and convolution, forward and backward) in each policy's compute
-dtype on the device TensorFlow will use, and `inspect_hardware` checks the
+dtype on the device the running Keras backend will use (TensorFlow's here,
+JAX's in `backends/jax/platform.py`), and `inspect_hardware` checks the
 rules against that measurement. `recommend_policy` gives the one answer.
 
 Everything the advice rests on (CPU features, GPUs, the measurement) can be
@@ -25,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mp_callbacks._backend import keras, tf
+from mp_callbacks._backend import BACKEND, keras, tf
 from mp_callbacks._cpu_features import CpuInfo, read_cpu_info
 
 __all__ = [
@@ -43,6 +44,12 @@ __all__ = [
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 MIXED_POLICIES = POLICIES[1:]
 _COMPUTE_DTYPE = {"float32": "float32", "mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}
+_FRAMEWORK = {"tensorflow": "TensorFlow", "jax": "JAX"}
+_KERNELS_USING_AMX = {"tensorflow": "TensorFlow's oneDNN kernels", "jax": "XLA's CPU kernels can"}
+_NO_CUDA = {
+    "tensorflow": "This TensorFlow build has no CUDA support; install mp_callbacks[gpu] (tensorflow[and-cuda]).",
+    "jax": 'This jaxlib has no CUDA plugin; install jax with CUDA (pip install "jax[cuda12]").',
+}
 
 # A mixed policy is recommended only when the probe finds it at least this
 # much faster than float32: below that, the gain does not pay for the care
@@ -107,7 +114,7 @@ class HardwareReport:
     measurement, else the expected ones.
     """
 
-    tensorflow_version: str
+    tensorflow_version: str | None
     keras_version: str
     cuda_build: bool
     cuda_version: str | None
@@ -118,6 +125,9 @@ class HardwareReport:
     recommended_policy: str = "float32"
     reason: str = ""
     warnings: list[str] = field(default_factory=list)
+    #: the Keras backend the probe ran on, and its version
+    backend: str = "tensorflow"
+    backend_version: str = ""
 
     @property
     def measured(self) -> dict[str, float] | None:
@@ -174,6 +184,8 @@ class HardwareReport:
         return {
             "tensorflow_version": self.tensorflow_version,
             "keras_version": self.keras_version,
+            "backend": self.backend,
+            "backend_version": self.backend_version,
             "cuda_build": self.cuda_build,
             "cuda_version": self.cuda_version,
             "cudnn_version": self.cudnn_version,
@@ -198,7 +210,7 @@ class HardwareReport:
     def format_text(self) -> str:
         """The report as `mp-callbacks doctor` prints it."""
         yes = {True: "yes", False: "no", None: "unknown"}
-        lines = [f"TensorFlow {self.tensorflow_version}, Keras {self.keras_version}"]
+        lines = [f"{_FRAMEWORK[self.backend]} {self.backend_version}, Keras {self.keras_version}"]
         cuda = f" (CUDA {self.cuda_version}, cuDNN {self.cudnn_version})" if self.cuda_build else ""
         lines.append(f"CUDA build: {yes[self.cuda_build]}{cuda}")
         for gpu in self.gpus:
@@ -291,7 +303,7 @@ def measure_policy_speed(
         if policy not in _COMPUTE_DTYPE:
             raise ValueError(f"policies: unknown policy {policy!r}; choose from {POLICIES}")
     start = time.perf_counter()
-    steps = {policy: _probe_step(_COMPUTE_DTYPE[policy]) for policy in policies}
+    steps = {policy: _platform().probe_step(_COMPUTE_DTYPE[policy]) for policy in policies}
     first_call = {policy: _timed(steps[policy]) for policy in policies}
     bounded = [p for p in policies if p != "float32" and first_call[p] > max(0.5, 20 * first_call["float32"])]
     timed = [p for p in policies if p not in bounded]
@@ -307,7 +319,7 @@ def measure_policy_speed(
     for policy in policies:
         seconds = first_call[policy] if policy in bounded else statistics.median(round_times[policy])
         ratios[policy] = round(float32_time / seconds, 3)
-    device = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+    device = _platform().default_device()
     return PolicySpeed(ratios, time.perf_counter() - start, device, bounded)
 
 
@@ -340,7 +352,7 @@ def _amx_note(cpu: Any, release: str | None = None) -> str | None:
     """What the CPU line needs said about Intel AMX: AMX-BF16 by name, and
     that Linux below 5.16 does not enable AMX (its CPUs then show none)."""
     if "amx_bf16" in cpu.features:
-        return "AMX-BF16: yes (Intel AMX tiles; TensorFlow's oneDNN kernels use them for bfloat16)"
+        return f"AMX-BF16: yes (Intel AMX tiles; {_KERNELS_USING_AMX[BACKEND]} use them for bfloat16)"
     if cpu.architecture not in ("x86_64", "AMD64") or platform.system() != "Linux":
         return None
     release = platform.release() if release is None else release
@@ -363,8 +375,8 @@ def _cpu_rules_reason(report: HardwareReport) -> tuple[str, str]:
     bfloat16 = sorted(f for f in cpu.features if "bf16" in f.lower())
     if cpu.native_bfloat16:
         return "mixed_bfloat16", (
-            f"no GPU; this CPU has native bfloat16 ({', '.join(bfloat16)}), which TensorFlow's "
-            "CPU kernels can use for matrix multiplies and convolutions."
+            f"no GPU; this CPU has native bfloat16 ({', '.join(bfloat16)}), which "
+            f"{_FRAMEWORK[BACKEND]}'s CPU kernels can use for matrix multiplies and convolutions."
         )
     return "float32", "no GPU and no native bfloat16 on this CPU: mixed precision would be emulated."
 
@@ -457,22 +469,51 @@ def _add_warnings(report: HardwareReport) -> None:
                 "mp_callbacks.LossScaleOptimizer or LossScaler."
             )
         if not report.cuda_build:
-            report.warnings.append(
-                "This TensorFlow build has no CUDA support; install mp_callbacks[gpu] (tensorflow[and-cuda])."
-            )
+            report.warnings.append(_NO_CUDA[report.backend])
 
 
 # ---------------------------------------------------------------- entries
+class _TensorFlowPlatform:
+    """What the advisor asks of the backend, on TensorFlow (JAX's answers:
+    `backends/jax/platform.py`)."""
+
+    probe_step = staticmethod(_probe_step)
+
+    @staticmethod
+    def version() -> str:
+        return str(tf.__version__)
+
+    @staticmethod
+    def default_device() -> str:
+        return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+
+    @staticmethod
+    def gpus() -> list[tuple[str, tuple[int, ...] | None]]:
+        found = []
+        for device in tf.config.list_physical_devices("GPU"):
+            try:
+                details = tf.config.experimental.get_device_details(device)
+            except (ValueError, RuntimeError):
+                details = {}
+            cc = details.get("compute_capability")
+            found.append((details.get("device_name", device.name), tuple(cc) if cc else None))
+        return found
+
+    @staticmethod
+    def build_info() -> dict[str, Any]:
+        return dict(tf.sysconfig.get_build_info())
+
+
+def _platform() -> Any:
+    if BACKEND == "tensorflow":
+        return _TensorFlowPlatform
+    from mp_callbacks.backends.jax import platform as jax_platform
+
+    return jax_platform
+
+
 def _read_gpus() -> list[GPUInfo]:
-    gpus = []
-    for device in tf.config.list_physical_devices("GPU"):
-        try:
-            details = tf.config.experimental.get_device_details(device)
-        except (ValueError, RuntimeError):
-            details = {}
-        cc = details.get("compute_capability")
-        gpus.append(GPUInfo(details.get("device_name", device.name), tuple(cc) if cc else None))
-    return gpus
+    return [GPUInfo(name, capability) for name, capability in _platform().gpus()]
 
 
 def inspect_hardware(
@@ -487,7 +528,7 @@ def inspect_hardware(
 
     Args:
         measure: bool. Run the probe (once per process; about a second
-            plus TensorFlow's start). False gives the hardware rules'
+            plus the backend's start, and on JAX a few seconds compiling it). False gives the hardware rules'
             advice alone. Defaults to `True`.
         cpu: `CpuInfo` or None. Describe another machine's CPU instead of
             this one's. Defaults to None.
@@ -497,13 +538,13 @@ def inspect_hardware(
             instead of probing (policy -> speed relative to float32).
             Defaults to None.
     """
-    build = tf.sysconfig.get_build_info()
+    build = _platform().build_info()
     if speed is not None and not isinstance(speed, PolicySpeed):
         speed = PolicySpeed(dict(speed), device="given")
     if speed is None and measure:
         speed = _measured_once()
     report = HardwareReport(
-        tensorflow_version=tf.__version__,
+        tensorflow_version=tf.__version__ if tf is not None else None,
         keras_version=keras.__version__,
         cuda_build=bool(build.get("is_cuda_build", False)),
         cuda_version=build.get("cuda_version"),
@@ -511,6 +552,8 @@ def inspect_hardware(
         gpus=_read_gpus() if gpus is None else list(gpus),
         cpu=read_cpu_info() if cpu is None else cpu,
         speed=speed,
+        backend=BACKEND,
+        backend_version=_platform().version(),
     )
     _advise(report)
     return report
