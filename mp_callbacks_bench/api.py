@@ -150,15 +150,20 @@ def _check_inputs(settings: BenchSettings) -> str:
 
 
 def _versions() -> dict[str, str]:
+    """The versions a result depends on: the library, Keras, the backend
+    Keras runs (under its own name: "tensorflow", "jax") and Python."""
+    import importlib
+
     import keras
-    import tensorflow as tf
 
     import mp_callbacks
 
+    backend = keras.backend.backend()
     return {
         "mp_callbacks": mp_callbacks.__version__,
-        "tensorflow": tf.__version__,
+        backend: importlib.import_module(backend).__version__,
         "keras": keras.__version__,
+        "backend": backend,
         "python": platform.python_version(),
     }
 
