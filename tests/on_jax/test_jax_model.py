@@ -572,3 +572,40 @@ def test_a_subclassed_model_skips_exactly_however_keras_runs_the_step(fit_option
     loss = model.evaluate(x, y, verbose=0)
     assert np.isfinite(loss)
     assert model.predict(x[:3], verbose=0).shape == (3, 1)
+
+
+#: Every feature Keras's optimizers offer on top of the update itself.
+_OPTIMIZER_FEATURES = {
+    "gradient_accumulation": {"gradient_accumulation_steps": 2},
+    "ema": {"use_ema": True, "ema_overwrite_frequency": 3},
+    "clipnorm": {"clipnorm": 0.1},
+    "global_clipnorm": {"global_clipnorm": 0.1},
+    "clipvalue": {"clipvalue": 0.01},
+    "weight_decay": {"weight_decay": 0.05},
+    "schedule": {"learning_rate": keras.optimizers.schedules.ExponentialDecay(0.01, 2, 0.5)},
+}
+
+
+@pytest.mark.parametrize("feature", sorted(_OPTIMIZER_FEATURES))
+def test_every_optimizer_feature_trains_as_stock_and_a_skip_keeps_its_state(feature):
+    x, y = _data(24)
+    trained = []
+    for cls in (keras.Model, mp.MixedPrecisionModel):
+        model = _functional(cls)
+        model.compile(keras.optimizers.Adam(**{"learning_rate": 0.01, **_OPTIMIZER_FEATURES[feature]}), "mse")
+        keras.utils.set_random_seed(5)
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)  # 3 steps: mid-accumulation
+        trained.append(model)
+    stock, ours = (_values(m) for m in trained)
+    assert len(ours) == len(stock)
+    for a, b in zip(ours, stock):
+        np.testing.assert_array_equal(a, b)
+    before = _state(trained[1])
+    if feature == "gradient_accumulation":
+        assert any("gradient_accumulator" in p and np.any(v) for p, v in before.items())
+    bad = x[:8].copy()
+    bad[0, 0] = np.nan
+    history = trained[1].fit(bad, y[:8], batch_size=8, epochs=1, verbose=0).history
+    after = _state(trained[1])
+    assert [p for p in before if not np.array_equal(before[p], after[p])] == []
+    assert history["skipped_steps"] == [1.0]
