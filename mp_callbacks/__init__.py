@@ -57,6 +57,8 @@ else:
     from mp_callbacks.headroom_monitor import HeadroomMonitor
     from mp_callbacks.loss_scale_monitor import LossScaleMonitor
     from mp_callbacks.model_checks import Finding, check_model
+    from mp_callbacks.precision_plan import PrecisionPlan
+    from mp_callbacks.speed_comparison import SpeedComparison
 
 __version__ = _package_version()
 
@@ -65,8 +67,6 @@ TENSORFLOW_ONLY = (
     "LossScaleOptimizer",
     "LossScaler",
     "NaNGradientMonitor",
-    "PrecisionPlan",
-    "SpeedComparison",
     "autotune",
 )
 

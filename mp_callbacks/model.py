@@ -352,6 +352,11 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
     def _overrides_train_step(self) -> bool:
         return type(self).train_step is not MixedPrecisionModel.train_step
 
+    def _loss_scale_is_auto(self) -> bool:
+        """Whether compile chose the scale for the policy ("auto"), so that
+        a copy under another policy (PrecisionPlan.apply) chooses again."""
+        return self._loss_scale_chosen_by in (None, "auto")
+
     def set_loss_scale(self, loss_scale: Any) -> None:
         """Replaces the loss scale (same values as the `loss_scale`
         argument), for example between keras-tuner trials. Training resumes

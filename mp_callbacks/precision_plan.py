@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from mp_callbacks._backend import keras
+from mp_callbacks._backend import BACKEND, keras
 from mp_callbacks._cloning import layers_within, rebuilt, set_nested_dtypes
 from mp_callbacks._keras_internals import all_layers, has_layer_graph
 from mp_callbacks._validation import fail
@@ -148,9 +148,6 @@ class PrecisionPlan:
         Returns:
             The new model (a `MixedPrecisionModel` if `model` was one).
         """
-        from mp_callbacks.loss_scale import LossScaler
-        from mp_callbacks.model import MixedPrecisionModel
-
         if not has_layer_graph(model):
             fail(
                 _OWNER,
@@ -175,6 +172,10 @@ class PrecisionPlan:
             return top_level.get(id(layer), self.policy)
 
         config = model.get_config()
+        scale_is_auto = getattr(model, "_loss_scale_is_auto", None)  # a MixedPrecisionModel's
+        if "loss_scale" in config and scale_is_auto is not None and scale_is_auto():
+            # The original's "auto" chose for its policy; the copy chooses for the plan's.
+            config["loss_scale"] = "auto"
         # A nested model's input in float32: its layers cast it to what they compute in.
         set_nested_dtypes(config.get("layers", []), input_dtype="float32")
         clone = rebuilt(model, config, type(model), policy_for, global_policy=self.policy)
@@ -183,8 +184,8 @@ class PrecisionPlan:
             optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
             compile_config["optimizer"] = type(optimizer).from_config(optimizer.get_config())
             clone.compile(**compile_config)
-        if isinstance(clone, MixedPrecisionModel) and self.initial_scale is not None:
-            clone.set_loss_scale(LossScaler(initial_scale=float(self.initial_scale)))
+        if self.initial_scale is not None and callable(getattr(clone, "set_loss_scale", None)):
+            clone.set_loss_scale(_initial_scale_argument(float(self.initial_scale)))
         return clone
 
     @property
@@ -195,10 +196,12 @@ class PrecisionPlan:
         if self.float32_layers:
             lines.append(f"model = mp.with_float32_layers(model, {self.float32_layers!r})")
         if self.initial_scale is not None:
-            lines.append(
-                f"model = mp.MixedPrecisionModel.from_model(model, loss_scale=mp.LossScaler("
-                f"initial_scale={self.initial_scale:g}))"
+            scale = (
+                f"mp.LossScaler(initial_scale={self.initial_scale:g})"
+                if BACKEND == "tensorflow"
+                else f'{{"initial_scale": {self.initial_scale:g}}}'  # LossScaler is TensorFlow's
             )
+            lines.append(f"model = mp.MixedPrecisionModel.from_model(model, loss_scale={scale})")
         return "\n".join(lines)
 
     # ------------------------------------------------------------- JSON
@@ -269,6 +272,16 @@ class PrecisionPlan:
         lines += [f"- {reason}" for reason in self.reasons]
         lines += ["", "to use it:", *("    " + line for line in self.code.splitlines())]
         return "\n".join(lines)
+
+
+def _initial_scale_argument(initial_scale: float) -> Any:
+    """A dynamic scale starting at `initial_scale`, as the backend's
+    `MixedPrecisionModel.set_loss_scale` takes it."""
+    if BACKEND == "tensorflow":
+        from mp_callbacks.loss_scale import LossScaler
+
+        return LossScaler(initial_scale=initial_scale)
+    return {"initial_scale": initial_scale}
 
 
 def _jsonable(value: Any) -> Any:

@@ -2,8 +2,8 @@
 TensorFlow sweep's models (`tests/test_layer_sweep.py`), under a mixed
 policy. A `MixedPrecisionModel` fit with `HeadroomMonitor` skips a poisoned
 batch with every variable left as it was and `diagnose_batch` replays a
-clean one; `check_model` has no findings; `float32_copy` and
-`with_float32_layers` compute in float32 and predict exactly what the same
+clean one; `check_model` has no findings; `float32_copy`,
+`PrecisionPlan.apply` and `with_float32_layers` compute in float32 and predict exactly what the same
 weights give when built under float32."""
 
 from __future__ import annotations
@@ -87,8 +87,9 @@ def test_copies_of_every_layer_compute_in_float32_with_the_same_predictions(name
         with pytest.raises(ValueError, match=_KERAS_OWN_LIMITS[name]):
             mp.float32_copy(model)
         return
-    copy = mp.float32_copy(model)
-    assert _low_precision(copy) == []
+    copies = [mp.float32_copy(model), mp.PrecisionPlan("float32").apply(model)]
+    for copy in copies:
+        assert _low_precision(copy) == []
     pinned = mp.with_float32_layers(model, [layer.name])
     assert _low_precision(pinned.get_layer(layer.name)) == []
     if name in _NO_FLOAT32_REFERENCE:
@@ -97,4 +98,6 @@ def test_copies_of_every_layer_compute_in_float32_with_the_same_predictions(name
     reference, _ = _model(name)
     reference.set_weights(model.get_weights())
     x = _data(name)
-    np.testing.assert_array_equal(copy.predict(x, verbose=0), reference.predict(x, verbose=0))
+    expected = reference.predict(x, verbose=0)
+    for copy in copies:
+        np.testing.assert_array_equal(copy.predict(x, verbose=0), expected)

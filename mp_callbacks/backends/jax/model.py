@@ -197,6 +197,11 @@ class MixedPrecisionModel(keras.Model):
             return True
         return any(getattr(layer, "compute_dtype", None) == "float16" for layer in all_layers(self))
 
+    def _loss_scale_is_auto(self) -> bool:
+        """Whether compile chose the scale for the policy ("auto"), so that
+        a copy under another policy (PrecisionPlan.apply) chooses again."""
+        return self._mp_chosen_by in (None, "auto")
+
     def set_loss_scale(self, loss_scale: Any) -> None:
         """Replaces the loss scale (same values as the `loss_scale`
         argument); its state restarts from the new initial scale."""
