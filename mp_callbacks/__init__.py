@@ -49,6 +49,7 @@ if BACKEND == "tensorflow":
     from mp_callbacks.precision_plan import PrecisionPlan
     from mp_callbacks.speed_comparison import SpeedComparison
 else:
+    from mp_callbacks.autotune import autotune
     from mp_callbacks.backends.jax.model import LOG_KEYS, MixedPrecisionModel
     from mp_callbacks.diagnosis import PrecisionReport, diagnose_batch
     from mp_callbacks.epoch_timer import EpochTimer
@@ -67,7 +68,6 @@ TENSORFLOW_ONLY = (
     "LossScaleOptimizer",
     "LossScaler",
     "NaNGradientMonitor",
-    "autotune",
 )
 
 

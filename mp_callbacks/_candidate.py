@@ -81,12 +81,15 @@ def build_model(
     functional or Sequential (so that float16 gets loss scaling), with the
     pinned layers in float32 and the initial loss scale, compiled (Adam,
     sparse categorical cross-entropy and accuracy when it was not)."""
-    from mp_callbacks._backend import keras
+    from mp_callbacks._backend import BACKEND, keras
+
+    if BACKEND == "jax":
+        from mp_callbacks.backends.jax.model import MixedPrecisionModel
+    else:
+        from mp_callbacks.model import MixedPrecisionModel
     from mp_callbacks._keras_internals import has_layer_graph
-    from mp_callbacks.loss_scale import LossScaler
-    from mp_callbacks.model import MixedPrecisionModel
-    from mp_callbacks.precision_plan import pin_float32
-    from mp_callbacks.tuner import policy_scope
+    from mp_callbacks._model_building import policy_scope
+    from mp_callbacks.precision_plan import initial_scale_argument, pin_float32
 
     with policy_scope(policy):
         model = build(*args)
@@ -109,7 +112,7 @@ def build_model(
             }
         model.compile(**compile_config)
         if isinstance(model, MixedPrecisionModel) and initial_scale is not None:
-            model.set_loss_scale(LossScaler(initial_scale=float(initial_scale)))
+            model.set_loss_scale(initial_scale_argument(float(initial_scale)))
     return model
 
 
@@ -119,16 +122,17 @@ class Trainer:
     def __init__(
         self, model: Any, data: dict[str, np.ndarray], batch_size: int, weights: list[np.ndarray] | None
     ) -> None:
-        from mp_callbacks._backend import tf
+        from mp_callbacks._backend import keras
 
         self.model = model
         if weights is not None:
             model.set_weights(weights)
         x, y = data["x_train"], data["y_train"]
+        tensor = keras.ops.convert_to_tensor
         self.batches = [
-            (tf.constant(x[i : i + batch_size]), tf.constant(y[i : i + batch_size]))
+            (tensor(x[i : i + batch_size]), tensor(y[i : i + batch_size]))
             for i in range(0, len(x) - batch_size + 1, batch_size)
-        ] or [(tf.constant(x), tf.constant(y))]
+        ] or [(tensor(x), tensor(y))]
         self.validation = (data["x_val"], data["y_val"])
         self.batch_size = batch_size
         self.position = 0
@@ -149,7 +153,9 @@ class Trainer:
     def evaluate(self) -> dict[str, Any]:
         x, y = self.validation
         results = self.model.evaluate(x, y, batch_size=self.batch_size, verbose=0, return_dict=True)
-        loss_scale = getattr(self.model, "scaler", None)
+        from mp_callbacks._loss_scale_source import LossScaleSource
+
+        loss_scale = LossScaleSource.of(self.model).scaler  # a LossScaler, or JAX's view of the scale
         state = loss_scale.diagnostics() if loss_scale is not None else {}
         return {
             "metrics": {k: float(v) for k, v in results.items()},

@@ -4,8 +4,10 @@ of a subclass."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from mp_callbacks._backend import keras
@@ -133,3 +135,15 @@ def wrap_model(cls: type, model: Any, loss_scale: Any, kwargs: dict[str, Any]) -
         config["optimizer"] = model.optimizer
         wrapped.compile(**config)
     return wrapped
+
+
+@contextlib.contextmanager
+def policy_scope(policy: str) -> Iterator[None]:
+    """Sets the global dtype policy inside the block, and restores the
+    previous one on the way out (errors included)."""
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(policy)
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(previous)

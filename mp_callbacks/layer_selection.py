@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from mp_callbacks._backend import keras, tf
+from mp_callbacks._backend import keras
 from mp_callbacks._keras_internals import all_layers, seed_generators_of
 from mp_callbacks.diagnosis import (
     computing_in_float32,
@@ -81,28 +81,37 @@ def pinned(model: keras.Model, names: Sequence[str]) -> Iterator[None]:
         yield
 
 
+def _norm(x: Any) -> float:
+    """The Euclidean norm over every element (any rank)."""
+    return float(keras.ops.sqrt(keras.ops.sum(keras.ops.square(x))))
+
+
 def _relative_error(ours: list[Any], reference: list[Any]) -> float:
     worst = 0.0
     for a, b in zip(ours, reference):
-        a = tf.cast(a, tf.float32)
-        b = tf.cast(b, tf.float32)
-        if not (bool(tf.reduce_all(tf.math.is_finite(a))) and bool(tf.reduce_all(tf.math.is_finite(b)))):
+        a = keras.ops.cast(a, "float32")
+        b = keras.ops.cast(b, "float32")
+        if not (bool(keras.ops.all(keras.ops.isfinite(a))) and bool(keras.ops.all(keras.ops.isfinite(b)))):
             continue  # overflow is judged by the diagnosis
-        scale = float(tf.norm(b))
-        difference = float(tf.norm(a - b))
+        scale = _norm(b)
+        difference = _norm(a - b)
         if scale == 0.0:
-            scale = max(float(tf.norm(a)), 1e-30)
+            scale = max(_norm(a), 1e-30)
         worst = max(worst, difference / scale)
     return worst
 
 
+def _is_floating(value: Any) -> bool:
+    return keras.ops.is_tensor(value) and "float" in keras.backend.standardize_dtype(value.dtype)
+
+
 def _floating(structure: Any) -> list[Any]:
-    return [t for t in tf.nest.flatten(structure) if tf.is_tensor(t) and t.dtype.is_floating]
+    return [t for t in keras.tree.flatten(structure) if _is_floating(t)]
 
 
 def _to_float32(structure: Any) -> Any:
-    return tf.nest.map_structure(
-        lambda t: tf.cast(t, tf.float32) if tf.is_tensor(t) and t.dtype.is_floating else t, structure
+    return keras.tree.map_structure(
+        lambda t: keras.ops.cast(t, "float32") if _is_floating(t) else t, structure
     )
 
 
@@ -113,7 +122,7 @@ def own_relative_errors(model: keras.Model, x: Any) -> dict[str, float]:
     float32, and layers that draw random numbers, are left out). The state
     the passes change (BatchNormalization's statistics) is put back."""
     state = list(model.non_trainable_variables)
-    saved = [tf.identity(v.value) for v in state]
+    saved = [keras.ops.copy(v.value) for v in state]  # copies: JAX donates the buffers it trains on
     calls: list[tuple[Any, tuple, dict]] = []
     errors: dict[str, float] = {}
     try:

@@ -185,7 +185,7 @@ class PrecisionPlan:
             compile_config["optimizer"] = type(optimizer).from_config(optimizer.get_config())
             clone.compile(**compile_config)
         if self.initial_scale is not None and callable(getattr(clone, "set_loss_scale", None)):
-            clone.set_loss_scale(_initial_scale_argument(float(self.initial_scale)))
+            clone.set_loss_scale(initial_scale_argument(float(self.initial_scale)))
         return clone
 
     @property
@@ -274,7 +274,7 @@ class PrecisionPlan:
         return "\n".join(lines)
 
 
-def _initial_scale_argument(initial_scale: float) -> Any:
+def initial_scale_argument(initial_scale: float) -> Any:
     """A dynamic scale starting at `initial_scale`, as the backend's
     `MixedPrecisionModel.set_loss_scale` takes it."""
     if BACKEND == "tensorflow":

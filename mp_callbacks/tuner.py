@@ -19,11 +19,11 @@ Importing this module needs keras-tuner: `pip install "mp_callbacks[tuner]"`.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mp_callbacks._backend import keras
+from mp_callbacks._model_building import policy_scope
 from mp_callbacks._validation import fail
 from mp_callbacks.hardware import POLICIES
 from mp_callbacks.loss_scale import LossScaler, check_scale
@@ -53,18 +53,6 @@ _LOSS_SCALE_ARGS = (
     "max_scale",
     "hysteresis",
 )
-
-
-@contextlib.contextmanager
-def policy_scope(policy: str) -> Iterator[None]:
-    """Sets the global dtype policy inside the block, and restores the
-    previous one on the way out (errors included)."""
-    previous = keras.config.dtype_policy()
-    keras.config.set_dtype_policy(policy)
-    try:
-        yield
-    finally:
-        keras.config.set_dtype_policy(previous)
 
 
 class MixedPrecisionHyperModel(kt.HyperModel):
