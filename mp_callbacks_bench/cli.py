@@ -395,7 +395,6 @@ def _tune(args: argparse.Namespace) -> int:
         _require_matplotlib()
     if not 0.0 < args.tolerance <= 1.0:
         raise BenchError(f"--tolerance {args.tolerance}: must be in (0, 1]")
-    _require_tensorflow_backend()
     from mp_callbacks_bench.tune import plot_plan, run_tune
 
     policies = [p for group in args.policies for p in group] if args.policies else None
