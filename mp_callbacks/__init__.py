@@ -32,6 +32,9 @@ from mp_callbacks.errors import (
     NonFiniteGradientError,
     UnsupportedArgumentError,
 )
+from mp_callbacks.errors import (
+    tensorflow_only as _tensorflow_only,
+)
 
 if BACKEND == "tensorflow":
     from mp_callbacks.autotune import autotune
@@ -73,12 +76,7 @@ TENSORFLOW_ONLY = (
 
 def __getattr__(name: str):
     if name in TENSORFLOW_ONLY:
-        raise BackendNotSupportedError(
-            f"mp_callbacks.{name} runs on Keras's TensorFlow backend only, for now; Keras is "
-            f"running on {BACKEND!r}. On JAX, MixedPrecisionModel scales, skips and logs "
-            "(loss_scale, grad_norm, skipped_steps in the logs); for the rest, set "
-            "KERAS_BACKEND=tensorflow. See the backends page of the docs."
-        )
+        raise _tensorflow_only(name, BACKEND)
     if BACKEND != "tensorflow":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     # Deprecated spellings, with a warning.

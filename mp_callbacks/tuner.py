@@ -22,7 +22,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mp_callbacks._backend import keras
+from mp_callbacks._backend import BACKEND, keras
+from mp_callbacks.errors import tensorflow_only
+
+if BACKEND != "tensorflow":
+    raise tensorflow_only("tuner", BACKEND)
+
 from mp_callbacks._model_building import policy_scope
 from mp_callbacks._validation import fail
 from mp_callbacks.hardware import POLICIES

@@ -316,27 +316,12 @@ def _require_matplotlib() -> None:
         raise BenchError('--plot needs matplotlib: pip install "mp_callbacks[plot]"') from error
 
 
-def _require_tensorflow_backend() -> None:
-    """bench and tune train with TensorFlow's pieces for now: on another
-    backend, one clear line instead of a missing-module traceback."""
-    import keras
-
-    backend = keras.backend.backend()
-    if backend != "tensorflow":
-        raise BenchError(
-            f"runs on Keras's TensorFlow backend only, for now; Keras is on {backend!r}. "
-            f"Run it with KERAS_BACKEND=tensorflow (with TensorFlow installed); "
-            f"`{_PROG} doctor` measures on {backend} too."
-        )
-
-
 def _bench(args: argparse.Namespace) -> int:
     for flag in ("json", "markdown", "plot"):
         if getattr(args, flag):
             check_output_path(flag, getattr(args, flag))
     if args.plot:
         _require_matplotlib()
-    _require_tensorflow_backend()  # after the checks that need no Keras (they are instant)
     from mp_callbacks_bench.api import run_bench
     from mp_callbacks_bench.report import format_skipped, plot_results
 

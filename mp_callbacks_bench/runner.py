@@ -20,7 +20,6 @@ from dataclasses import asdict
 from typing import Any
 
 import keras
-import tensorflow as tf
 
 import mp_callbacks  # noqa: F401  (checks Keras's backend before Keras loads)
 from mp_callbacks_bench._native_stderr import is_startup_noise
@@ -31,12 +30,34 @@ __all__ = ["compare", "run_in_subprocess", "run_policy"]
 logger = logging.getLogger("mp_callbacks_bench")
 
 
+def _on_gpu() -> bool:
+    """Whether the backend Keras runs trains on a GPU."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return any(device.platform == "gpu" for device in jax.devices())
+    import tensorflow as tf
+
+    return bool(tf.config.list_physical_devices("GPU"))
+
+
+def _gpu_peak_bytes() -> float | None:
+    if keras.backend.backend() == "jax":
+        import jax
+
+        stats = jax.devices("gpu")[0].memory_stats() or {}
+        return stats.get("peak_bytes_in_use")
+    import tensorflow as tf
+
+    return tf.config.experimental.get_memory_info("GPU:0")["peak"]
+
+
 def _peak_memory_mb() -> float | None:
     """Peak device memory on GPU, else the process's peak resident memory
-    (None where the standard library cannot read it: Windows)."""
-    if tf.config.list_physical_devices("GPU"):
-        info = tf.config.experimental.get_memory_info("GPU:0")
-        return info["peak"] / 2**20
+    (None where it cannot be read: Windows, a GPU that does not say)."""
+    if _on_gpu():
+        peak = _gpu_peak_bytes()
+        return None if peak is None else peak / 2**20
     try:
         import resource
 
@@ -86,7 +107,12 @@ def run_policy(policy: str, settings: BenchSettings) -> dict[str, Any]:
     model = build_model(spec, data.input_shape, data.num_classes)
     timer = mp.EpochTimer()
     scale_monitor = mp.LossScaleMonitor()
-    nan_monitor = mp.NaNGradientMonitor(action="stop")
+    # Where NaNGradientMonitor does not run yet (JAX), a non-finite loss stops the run.
+    nan_monitor = (
+        keras.callbacks.TerminateOnNaN()
+        if "NaNGradientMonitor" in mp.TENSORFLOW_ONLY
+        else mp.NaNGradientMonitor(action="stop")
+    )
     callbacks = [scale_monitor, nan_monitor, timer]
     if not settings.quiet:
         callbacks.append(_ProgressLine(policy))
@@ -110,7 +136,7 @@ def run_policy(policy: str, settings: BenchSettings) -> dict[str, Any]:
         "samples_per_sec": summary["median_samples_per_sec"],
         "speedup": None,
         "peak_memory_mb": _peak_memory_mb(),
-        "memory_kind": "device peak" if tf.config.list_physical_devices("GPU") else "process peak RSS",
+        "memory_kind": "device peak" if _on_gpu() else "process peak RSS",
         "estimated_step_memory": estimate_step_memory(model, settings.batch_size),
         "accuracy": None if accuracy is None else float(accuracy),
         "loss": float(evaluation["loss"]),
@@ -118,7 +144,10 @@ def run_policy(policy: str, settings: BenchSettings) -> dict[str, Any]:
         "skipped_steps": int(sum(history.history.get("skipped_steps", []))),
         "final_loss_scale": _final_loss_scale(model),
         "epochs": len(history.history["loss"]),
-        "diverged": nan_monitor.error is not None,
+        # NaNGradientMonitor's diagnosis, or TerminateOnNaN having stopped the fit.
+        "diverged": nan_monitor.error is not None
+        if hasattr(nan_monitor, "error")
+        else bool(model.stop_training),
         "data": data.description,
     }
 

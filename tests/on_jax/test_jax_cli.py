@@ -1,5 +1,5 @@
-"""`mp-callbacks` on Keras's JAX backend: doctor and tune measure there,
-bench says in one line that it needs TensorFlow."""
+"""`mp-callbacks` on Keras's JAX backend: doctor, bench and tune measure
+there."""
 
 from __future__ import annotations
 
@@ -25,14 +25,6 @@ def test_doctor_reports_the_jax_backend_and_its_version(capsys):
     assert capsys.readouterr().out.startswith(f"JAX {jax.__version__}, Keras")
 
 
-def test_bench_refuses_jax_in_one_line(capsys):
-    assert main(["bench", "--quick"]) == 2
-    error = capsys.readouterr().err.strip()
-    assert len(error.splitlines()) == 1
-    assert error.startswith("mp-callbacks bench: error:") and "'jax'" in error
-    assert "KERAS_BACKEND=tensorflow" in error
-
-
 def test_tune_measures_its_plan_on_jax(tmp_path, capsys):
     path = tmp_path / "plan.json"
     argv = ["tune", "--quick", "--train-samples", "256", "--steps", "5", "--policies", "mixed_bfloat16"]
@@ -42,3 +34,20 @@ def test_tune_measures_its_plan_on_jax(tmp_path, capsys):
     assert plan["policy"] in ("float32", "mixed_bfloat16") and plan["measured_on"]
     assert all(c["steps"] > 0 for c in plan["candidates"])
     assert capsys.readouterr().out.splitlines()[0].startswith("plan: ")
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_a_bench_run_trains_and_reports_on_jax(policy):
+    from mp_callbacks_bench.runner import run_policy
+    from mp_callbacks_bench.settings import BenchSettings
+
+    settings = BenchSettings(
+        policies=[policy], epochs=2, batch_size=64, train_samples=256, test_samples=64, quiet=True
+    )
+    row = run_policy(policy, settings)
+    assert row["policy"] == policy and row["epochs"] == 2 and not row["diverged"]
+    assert row["memory_kind"] == "process peak RSS" and row["peak_memory_mb"] > 0
+    assert row["skipped_steps"] == 0 and row["epoch_time"] > 0 and row["samples_per_sec"] > 0
+    assert row["final_loss_scale"] == (2.0**15 if policy == "mixed_float16" else 1.0)
+    assert 0.0 <= row["accuracy"] <= 1.0
+    keras.mixed_precision.set_global_policy("float32")
