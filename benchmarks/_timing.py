@@ -96,3 +96,22 @@ def report(title, times, baseline, contender):
         f"best-epoch ratio {min(times[contender]) / min(times[baseline]):.3f}"
     )
     return statistics.median(ratios)
+
+
+def print_step_ratios(times: dict[str, list[float]]) -> None:
+    """Each contender's median step and its ratios to "stock": paired (the
+    median of each round's own ratio, so that a drift of the machine within
+    the run cancels out round by round), and of the medians, the lower
+    quartiles and the fastest steps."""
+    stock = sorted(times["stock"])
+    for name, values in times.items():
+        paired = statistics.median(a / b for a, b in zip(values, times["stock"]))
+        values = sorted(values)
+        quartile = len(values) // 4
+        print(
+            f"  {name:34s} median {statistics.median(values) * 1e3:8.2f} ms   ratio to stock: "
+            f"paired {paired:.3f}   "
+            f"median {statistics.median(values) / statistics.median(stock):.3f}   "
+            f"lower quartile {values[quartile] / stock[quartile]:.3f}   "
+            f"fastest {values[0] / stock[0]:.3f}"
+        )

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import jax
 import keras
-from _timing import OPTIMIZERS
+from _timing import OPTIMIZERS, print_step_ratios
 from real_models import data_for, resnet50, transformer
 
 import mp_callbacks as mp
@@ -122,18 +121,7 @@ def main(argv=None):
         f"{size}; JAX {jax.__version__} on {jax.devices()[0].platform}, Keras {keras.__version__}"
     )
     times = interleaved_steps(models, batches, args.steps)
-    stock = sorted(times["stock"])
-    for name, values in times.items():
-        paired = statistics.median(a / b for a, b in zip(values, times["stock"]))
-        values = sorted(values)
-        quartile = len(values) // 4
-        print(
-            f"  {name:34s} median {statistics.median(values) * 1e3:8.2f} ms   ratio to stock: "
-            f"paired {paired:.3f}   "
-            f"median {statistics.median(values) / statistics.median(stock):.3f}   "
-            f"lower quartile {values[quartile] / stock[quartile]:.3f}   "
-            f"fastest {values[0] / stock[0]:.3f}"
-        )
+    print_step_ratios(times)
 
 
 if __name__ == "__main__":

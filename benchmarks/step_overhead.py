@@ -38,7 +38,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras
 import tensorflow as tf
 from _revisions import package_at
-from _timing import OPTIMIZERS, add_real_model_options, apply_threads
+from _timing import OPTIMIZERS, add_real_model_options, apply_threads, print_step_ratios
 from real_models import data_for, resnet50, transformer
 
 import mp_callbacks as mp
@@ -152,20 +152,7 @@ def main(argv=None):
         f"  optimizer update: {statistics.median(update) * 1e3:.2f} ms, "
         f"{share:.1%} of the stock step (paired)"
     )
-    stock = sorted(times["stock"])
-    for name, values in times.items():
-        # Each round's own ratio, then their median: a drift of the machine
-        # within the run cancels out round by round.
-        paired = statistics.median(a / b for a, b in zip(values, times["stock"]))
-        values = sorted(values)
-        quartile = len(values) // 4
-        print(
-            f"  {name:34s} median {statistics.median(values) * 1e3:8.2f} ms   ratio to stock: "
-            f"paired {paired:.3f}   "
-            f"median {statistics.median(values) / statistics.median(stock):.3f}   "
-            f"lower quartile {values[quartile] / stock[quartile]:.3f}   "
-            f"fastest {values[0] / stock[0]:.3f}"
-        )
+    print_step_ratios(times)
 
 
 if __name__ == "__main__":
