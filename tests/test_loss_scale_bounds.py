@@ -9,6 +9,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from scale_cases import REFUSALS, UNREPRESENTABLE
 
 import mp_callbacks as mp
 from mp_callbacks import LossScaler
@@ -21,19 +22,7 @@ def _step(loss_scale, finite=True, optimizer=None, variable=None):
     return bool(loss_scale.apply_gradients(optimizer, [grad], [variable]))
 
 
-@pytest.mark.parametrize(
-    "kwargs, argument",
-    [
-        ({"initial_scale": 1e39, "max_scale": 1e39}, "initial_scale"),
-        ({"initial_scale": 2.0**-130, "min_scale": 2.0**-130}, "initial_scale"),
-        ({"initial_scale": 1e-50, "min_scale": 1e-50}, "initial_scale"),
-        ({"max_scale": 2.0**128}, "max_scale"),
-        ({"growth_interval": 2**63}, "growth_interval"),
-        ({"hysteresis": 2**63}, "hysteresis"),
-        ({"growth_factor": 1e39}, "growth_factor"),
-        ({"backoff_factor": 1e-50}, "backoff_factor"),
-    ],
-)
+@pytest.mark.parametrize("kwargs, argument", UNREPRESENTABLE)
 def test_unrepresentable_values_are_refused_at_construction(kwargs, argument):
     with pytest.raises(ValueError, match=f"`{argument}`"):
         LossScaler(**kwargs)
@@ -97,30 +86,7 @@ def test_a_fixed_scale_that_overflows_every_step_is_refused_unless_asked_for_in_
     assert all(not np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
 
 
-_FLOOR = "a finite number >= 2**-24 (5.96e-08)"
-
-
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        ({"initial_scale": 0.0}, f"`initial_scale` must be {_FLOOR}; received initial_scale=0.0."),
-        ({"min_scale": 1e-9}, f"`min_scale` must be {_FLOOR}; received min_scale=1e-09."),
-        ({"max_scale": 1e-9}, f"`max_scale` must be {_FLOOR}; received max_scale=1e-09."),
-        (
-            {"growth_interval": 0},
-            "`growth_interval` must be an integer >= 1 that fits in int64; received growth_interval=0.",
-        ),
-        (
-            {"hysteresis": 0},
-            "`hysteresis` must be an integer >= 1 that fits in int64; received hysteresis=0.",
-        ),
-        ({"growth_factor": 1.0}, "`growth_factor` must be a finite number > 1; received growth_factor=1.0."),
-        (
-            {"backoff_factor": 1.0},
-            "`backoff_factor` must be a number in the open interval (0, 1); received backoff_factor=1.0.",
-        ),
-    ],
-)
+@pytest.mark.parametrize("kwargs, message", REFUSALS)
 def test_refusals_name_the_class_the_argument_the_rule_and_the_value(kwargs, message):
     with pytest.raises((ValueError, TypeError)) as caught:
         LossScaler(**kwargs)
