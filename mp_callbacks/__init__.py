@@ -53,6 +53,7 @@ if BACKEND == "tensorflow":
     from mp_callbacks.speed_comparison import SpeedComparison
 else:
     from mp_callbacks.autotune import autotune
+    from mp_callbacks.backends.jax.loss_scaler import LossScaler  # type: ignore[assignment]
     from mp_callbacks.backends.jax.model import LOG_KEYS, MixedPrecisionModel
     from mp_callbacks.diagnosis import PrecisionReport, diagnose_batch
     from mp_callbacks.epoch_timer import EpochTimer
@@ -61,17 +62,14 @@ else:
     from mp_callbacks.headroom_monitor import HeadroomMonitor
     from mp_callbacks.loss_scale_monitor import LossScaleMonitor
     from mp_callbacks.model_checks import Finding, check_model
+    from mp_callbacks.nan_gradient_monitor import NaNGradientMonitor
     from mp_callbacks.precision_plan import PrecisionPlan
     from mp_callbacks.speed_comparison import SpeedComparison
 
 __version__ = _package_version()
 
 #: Public names that run on TensorFlow only, for now.
-TENSORFLOW_ONLY = (
-    "LossScaleOptimizer",
-    "LossScaler",
-    "NaNGradientMonitor",
-)
+TENSORFLOW_ONLY = ("LossScaleOptimizer",)
 
 
 def __getattr__(name: str):

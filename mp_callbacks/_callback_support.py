@@ -7,7 +7,7 @@ import copy
 import threading
 from typing import Any
 
-from mp_callbacks._backend import keras
+from mp_callbacks._backend import BACKEND, keras
 from mp_callbacks._loss_scale_source import LossScaleSource
 
 __all__ = ["MixedPrecisionCallback"]
@@ -60,6 +60,15 @@ class MixedPrecisionCallback(keras.callbacks.Callback):
         clone = type(self).from_config(copy.deepcopy(self.get_config(), memo))
         memo[id(self)] = clone
         return clone
+
+    def _sync_trained_state(self) -> None:
+        """Mid-epoch on JAX, the trained state lives in the compiled step,
+        not in the variables: reading a callback's `model` makes Keras write
+        it there, and the next step then takes the variables back (with any
+        write made in between). Only for hooks that run in step order
+        (`async_safe = False`); a no-op on TensorFlow."""
+        if BACKEND == "jax":
+            _ = self.model
 
     def _loss_scale_source(self) -> LossScaleSource:
         return LossScaleSource.of(self.model)

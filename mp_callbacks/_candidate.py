@@ -81,15 +81,11 @@ def build_model(
     functional or Sequential (so that float16 gets loss scaling), with the
     pinned layers in float32 and the initial loss scale, compiled (Adam,
     sparse categorical cross-entropy and accuracy when it was not)."""
-    from mp_callbacks._backend import BACKEND, keras
-
-    if BACKEND == "jax":
-        from mp_callbacks.backends.jax.model import MixedPrecisionModel
-    else:
-        from mp_callbacks.model import MixedPrecisionModel
+    from mp_callbacks import LossScaler, MixedPrecisionModel  # this backend's
+    from mp_callbacks._backend import keras
     from mp_callbacks._keras_internals import has_layer_graph
     from mp_callbacks._model_building import policy_scope
-    from mp_callbacks.precision_plan import initial_scale_argument, pin_float32
+    from mp_callbacks.precision_plan import pin_float32
 
     with policy_scope(policy):
         model = build(*args)
@@ -112,7 +108,7 @@ def build_model(
             }
         model.compile(**compile_config)
         if isinstance(model, MixedPrecisionModel) and initial_scale is not None:
-            model.set_loss_scale(initial_scale_argument(float(initial_scale)))
+            model.set_loss_scale(LossScaler(initial_scale=float(initial_scale)))
     return model
 
 
@@ -155,7 +151,7 @@ class Trainer:
         results = self.model.evaluate(x, y, batch_size=self.batch_size, verbose=0, return_dict=True)
         from mp_callbacks._loss_scale_source import LossScaleSource
 
-        loss_scale = LossScaleSource.of(self.model).scaler  # a LossScaler, or JAX's view of the scale
+        loss_scale = LossScaleSource.of(self.model).scaler
         state = loss_scale.diagnostics() if loss_scale is not None else {}
         return {
             "metrics": {k: float(v) for k, v in results.items()},

@@ -18,9 +18,9 @@ if BACKEND == "tensorflow":
 
     _Scale = LossScaler
 else:  # a JAX MixedPrecisionModel's scale, read between epochs
-    from mp_callbacks.backends.jax.scale_view import ScaleView
+    from mp_callbacks.backends.jax.loss_scaler import LossScaler as JaxLossScaler
 
-    _Scale = ScaleView
+    _Scale = JaxLossScaler
 
 __all__ = ["LossScaleSource", "find_scaler", "read_variable"]
 
@@ -40,7 +40,7 @@ def _held_scale(value: Any) -> Any:
 
 
 def find_scaler(model: Any) -> Any:
-    """The `LossScaler` (on JAX: the `ScaleView`) a model trains with,
+    """The `LossScaler` (on JAX too) a model trains with,
     wherever it is kept: `model.scaler` (a `MixedPrecisionModel`'s), the model's
     `mp_callbacks.LossScaleOptimizer`, or any attribute of the model that
     holds one (a hand-written `train_step`'s `self.scaler`, or an

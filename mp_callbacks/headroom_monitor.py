@@ -8,7 +8,7 @@ import math
 import warnings
 from typing import Any
 
-from mp_callbacks._backend import BACKEND, keras
+from mp_callbacks._backend import keras
 from mp_callbacks._callback_support import MixedPrecisionCallback
 from mp_callbacks._keras_internals import global_seed_generator_state
 from mp_callbacks._validation import check_int, check_real, fail
@@ -200,10 +200,7 @@ class HeadroomMonitor(MixedPrecisionCallback):
     def _probe(self) -> None:
         if self._probed_model is None:
             return
-        if BACKEND == "jax":
-            # Mid-epoch, JAX's trained state is not in the variables: reading
-            # a callback's `model` is what makes Keras write it there.
-            _ = self.model
+        self._sync_trained_state()
         try:
             ranges = _leaving_state_as_it_was(
                 self._probed_model, lambda: layer_output_ranges(self._probed_model, self.probe)

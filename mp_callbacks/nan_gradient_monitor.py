@@ -115,8 +115,11 @@ class NaNGradientMonitor(MixedPrecisionCallback):
         self.handled_steps = 0
         self.bad_data_steps = 0
         self.error: NonFiniteGradientError | None = None
+        # A check reads the scale's state and restarts a latch in it: in
+        # step order, after the trained state is synced (on JAX).
+        self.async_safe = False
         self._loss_scale = None
-        # Keras may run batch hooks on a thread pool (async_safe): one check at a time.
+        # One check at a time, whichever thread runs the hook.
         self._lock = threading.Lock()
         self._reset_progress()
 
@@ -183,6 +186,7 @@ class NaNGradientMonitor(MixedPrecisionCallback):
         if self._loss_scale is None:
             self._check_loss_only(step, logs)
             return
+        self._sync_trained_state()
         state = self._loss_scale.diagnostics()
         last = self._last_state
         if state["step_count"] == last["step_count"]:
@@ -247,6 +251,9 @@ class NaNGradientMonitor(MixedPrecisionCallback):
 
     def _nonfinite_input_rows(self) -> tuple[int, int] | None:
         """(rows with a NaN or inf input, rows) of the kept batch, when some have one."""
+        counted = getattr(self.model, "nonfinite_input_rows", None)  # JAX: counted in the step
+        if callable(counted):
+            return counted()
         kept = getattr(self.model, "kept_batch", None)
         batch = kept() if callable(kept) else None
         if batch is None:

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from mp_callbacks._backend import BACKEND, keras
+from mp_callbacks._backend import keras
 from mp_callbacks._cloning import layers_within, rebuilt, set_nested_dtypes
 from mp_callbacks._keras_internals import all_layers, has_layer_graph
 from mp_callbacks._validation import fail
@@ -185,7 +185,9 @@ class PrecisionPlan:
             compile_config["optimizer"] = type(optimizer).from_config(optimizer.get_config())
             clone.compile(**compile_config)
         if self.initial_scale is not None and callable(getattr(clone, "set_loss_scale", None)):
-            clone.set_loss_scale(initial_scale_argument(float(self.initial_scale)))
+            from mp_callbacks import LossScaler  # this backend's; the package imports this module
+
+            clone.set_loss_scale(LossScaler(initial_scale=float(self.initial_scale)))
         return clone
 
     @property
@@ -196,11 +198,7 @@ class PrecisionPlan:
         if self.float32_layers:
             lines.append(f"model = mp.with_float32_layers(model, {self.float32_layers!r})")
         if self.initial_scale is not None:
-            scale = (
-                f"mp.LossScaler(initial_scale={self.initial_scale:g})"
-                if BACKEND == "tensorflow"
-                else f'{{"initial_scale": {self.initial_scale:g}}}'  # LossScaler is TensorFlow's
-            )
+            scale = f"mp.LossScaler(initial_scale={self.initial_scale:g})"
             lines.append(f"model = mp.MixedPrecisionModel.from_model(model, loss_scale={scale})")
         return "\n".join(lines)
 
@@ -272,16 +270,6 @@ class PrecisionPlan:
         lines += [f"- {reason}" for reason in self.reasons]
         lines += ["", "to use it:", *("    " + line for line in self.code.splitlines())]
         return "\n".join(lines)
-
-
-def initial_scale_argument(initial_scale: float) -> Any:
-    """A dynamic scale starting at `initial_scale`, as the backend's
-    `MixedPrecisionModel.set_loss_scale` takes it."""
-    if BACKEND == "tensorflow":
-        from mp_callbacks.loss_scale import LossScaler
-
-        return LossScaler(initial_scale=initial_scale)
-    return {"initial_scale": initial_scale}
 
 
 def _jsonable(value: Any) -> Any:

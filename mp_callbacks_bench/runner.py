@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import subprocess
 import sys
@@ -108,11 +107,8 @@ def run_policy(policy: str, settings: BenchSettings) -> dict[str, Any]:
     model = build_model(spec, data.input_shape, data.num_classes)
     timer = mp.EpochTimer()
     scale_monitor = mp.LossScaleMonitor()
-    # Where NaNGradientMonitor does not run yet (JAX), the epochs' losses tell
-    # divergence: TerminateOnNaN would read the loss on the host every step,
-    # inside the epochs being timed.
-    nan_monitor = None if "NaNGradientMonitor" in mp.TENSORFLOW_ONLY else mp.NaNGradientMonitor(action="stop")
-    callbacks = [cb for cb in (scale_monitor, nan_monitor, timer) if cb is not None]
+    nan_monitor = mp.NaNGradientMonitor(action="stop")
+    callbacks: list[keras.callbacks.Callback] = [scale_monitor, nan_monitor, timer]
     if not settings.quiet:
         callbacks.append(_ProgressLine(policy))
     history = model.fit(
@@ -143,9 +139,7 @@ def run_policy(policy: str, settings: BenchSettings) -> dict[str, Any]:
         "skipped_steps": int(sum(history.history.get("skipped_steps", []))),
         "final_loss_scale": _final_loss_scale(model),
         "epochs": len(history.history["loss"]),
-        "diverged": nan_monitor.error is not None
-        if nan_monitor is not None
-        else not all(math.isfinite(loss) for loss in history.history["loss"]),
+        "diverged": nan_monitor.error is not None,
         "data": data.description,
     }
 

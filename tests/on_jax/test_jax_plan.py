@@ -34,7 +34,7 @@ def test_a_plan_applies_its_policy_pins_and_initial_scale_to_a_copy():
     history = tuned.fit(x, y, batch_size=8, verbose=0).history
     assert history["skipped_steps"] == [0.0] and history["loss_scale"][0] == 256.0
     assert mp.PrecisionPlan.from_json(plan.to_json()) == plan
-    assert 'loss_scale={"initial_scale": 256}' in plan.code  # LossScaler is TensorFlow's
+    assert "loss_scale=mp.LossScaler(initial_scale=256)" in plan.code
     exec(plan.code, {"keras": keras, "mp": mp, "model": _model()})
     keras.mixed_precision.set_global_policy("float32")
 

@@ -36,8 +36,7 @@ from mp_callbacks._model_building import (
 )
 from mp_callbacks._validation import fail
 from mp_callbacks.backends.jax import step as jax_step
-from mp_callbacks.backends.jax.scale_view import ScaleView
-from mp_callbacks.errors import BackendNotSupportedError
+from mp_callbacks.backends.jax.loss_scaler import LossScaler
 
 __all__ = ["LOG_KEYS", "MixedPrecisionModel"]
 
@@ -45,7 +44,9 @@ logger = logging.getLogger("mp_callbacks.model")
 ops = keras.ops
 
 AUTO = "auto"
-_REQUIREMENT = "'auto', a number in [2**-24, 2**64] (fixed scale), a LossScaler config or None (no scaling)"
+_REQUIREMENT = (
+    "'auto', a LossScaler (or its config), a number in [2**-24, 2**64] (fixed scale) or None (no scaling)"
+)
 _DYNAMIC = _scale_state.ScaleSettings.checked(2.0**15, 2000, 2.0, 0.5, 1.0, 2.0**24, 1)
 _DISABLED = _scale_state.ScaleSettings.checked(1.0, 1, 2.0, 0.5, 1.0, 1.0, 1)
 #: Per-epoch figures for the logs, kept beside the scale's state.
@@ -65,32 +66,26 @@ def _fixed(scale: float) -> _scale_state.ScaleSettings:
     return _scale_state.ScaleSettings.checked(scale, 1, 2.0, 0.5, scale, scale, 1)
 
 
-def settings_from_argument(
-    value: Any, owner: str = "MixedPrecisionModel"
-) -> _scale_state.ScaleSettings | None:
-    """A `loss_scale` argument as the state machine's settings (None for
-    "auto": compile decides), as on TensorFlow; a `LossScaler` object is
-    TensorFlow's, and its config dict is taken instead."""
+def scaler_from_argument(value: Any, owner: str = "MixedPrecisionModel") -> LossScaler | None:
+    """A `loss_scale` argument as a `LossScaler` (None for "auto": compile
+    decides), with TensorFlow's meanings: None is no scaling, a number a
+    fixed scale, a dict a LossScaler's config."""
     if isinstance(value, str):
         if value != AUTO:
             fail(owner, "loss_scale", value, _REQUIREMENT)
         return None
     if value is None:
-        return _DISABLED
+        return LossScaler.disabled()
+    if isinstance(value, LossScaler):
+        return value
     if isinstance(value, dict) and value:
         config = dict(value.get("config", value))
-        config.pop("name", None)
         try:
-            return _scale_state.ScaleSettings.checked(**{**_settings_dict(_DYNAMIC), **config})
+            return LossScaler(**{**_settings_dict(_DYNAMIC), **config})
         except TypeError:
             fail(owner, "loss_scale", value, _REQUIREMENT, TypeError)
     if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
-        return _fixed(_scale_state.check_fixed_scale(owner, "loss_scale", value))
-    if type(value).__name__ == "LossScaler":
-        raise BackendNotSupportedError(
-            f"{owner}: a LossScaler object is TensorFlow's; on Keras's JAX backend pass its "
-            f"settings instead, loss_scale=scaler.get_config(); received loss_scale={value!r}."
-        )
+        return LossScaler.fixed(_scale_state.check_fixed_scale(owner, "loss_scale", value))
     fail(owner, "loss_scale", value, _REQUIREMENT, TypeError)
 
 
@@ -114,9 +109,9 @@ class MixedPrecisionModel(keras.Model):
 
     Args:
         loss_scale: "auto" (the default: a dynamic scale when the model
-            computes in float16, none otherwise), a number (a fixed
-            scale), a LossScaler's config dict (`LossScaler.get_config()`),
-            or None (no scaling; non-finite steps are still skipped).
+            computes in float16, none otherwise), a `LossScaler` (or its
+            config dict), a number (a fixed scale), or None (no scaling;
+            non-finite steps are still skipped).
     """
 
     def __init__(self, *args: Any, loss_scale: Any = AUTO, **kwargs: Any) -> None:
@@ -126,9 +121,9 @@ class MixedPrecisionModel(keras.Model):
             init_functional(self, args, kwargs)
         else:
             super().__init__(*args, **kwargs)
-        self._mp_settings = settings_from_argument(loss_scale)
-        self._mp_chosen_by = "user" if self._mp_settings is not None else None
-        initial = _scale_state.initial_values(self._mp_settings or _DYNAMIC)
+        scaler = scaler_from_argument(loss_scale)
+        self._mp_chosen_by = "user" if scaler is not None else None
+        initial = _scale_state.initial_values(_DYNAMIC)
         # Untracked by Keras (not the model's own weights: a plain
         # keras.Model with the same layers loads this model's weights, and
         # float32_copy copies them), yet among `non_trainable_variables`, so
@@ -140,11 +135,30 @@ class MixedPrecisionModel(keras.Model):
         epoch = {name: _variable(name, dtype, 0.0) for name, dtype in _EPOCH_VARIABLES}
         object.__setattr__(self, "_mp_state", state)
         object.__setattr__(self, "_mp_epoch", epoch)
+        # Per trainable variable, steps whose gradient was not finite: made
+        # once the variables are known (`_count_gradients`).
+        object.__setattr__(
+            self,
+            "_mp_counts",
+            {
+                name: _variable(name, _scale_state.COUNTER_DTYPE, 0)
+                for name in ("skipped_input_rows", "skipped_rows")  # the last skipped batch's
+            },
+        )
+        #: The LossScaler in use, reading `_mp_state` (None: "auto" until compile).
+        object.__setattr__(self, "_mp_scaler", None)
+        if scaler is not None:
+            self._adopt(scaler)
+
+    @property
+    def _mp_settings(self) -> _scale_state.ScaleSettings | None:
+        return None if self._mp_scaler is None else self._mp_scaler.settings
 
     @property
     def non_trainable_variables(self) -> list[Any]:
         """Keras's, then the loss scale's state (untracked: see `__init__`)."""
-        return list(super().non_trainable_variables) + [*self._mp_state.values(), *self._mp_epoch.values()]
+        ours = [*self._mp_state.values(), *self._mp_epoch.values(), *self._mp_counts.values()]
+        return list(super().non_trainable_variables) + ours
 
     @property
     def _loss_scale_state(self) -> LossScaleSaveable:
@@ -152,7 +166,9 @@ class MixedPrecisionModel(keras.Model):
         # its own path, apart from the model's weights (as on TensorFlow).
         saveable = self.__dict__.get("_mp_loss_scale_saveable")
         if saveable is None:
-            saveable = LossScaleSaveable(lambda: ScaleView(self._mp_settings or _DYNAMIC, self._mp_state))
+            saveable = LossScaleSaveable(
+                lambda: self._mp_scaler or LossScaler.viewing(_DYNAMIC, self._mp_state)
+            )
             self.__dict__["_mp_loss_scale_saveable"] = saveable
         return saveable
 
@@ -164,12 +180,10 @@ class MixedPrecisionModel(keras.Model):
 
     # ---------------------------------------------------------- loss scale
     @property
-    def scaler(self) -> ScaleView | None:
-        """The loss scale as the callbacks read it (None until `compile`
+    def scaler(self) -> LossScaler | None:
+        """The `LossScaler` this model trains with (None until `compile`
         resolves "auto"): settings, `get_scale()`, `diagnostics()`."""
-        if self._mp_settings is None:
-            return None
-        return ScaleView(self._mp_settings, self._mp_state)
+        return self._mp_scaler
 
     @property
     def loss_scale(self) -> Any:
@@ -204,21 +218,73 @@ class MixedPrecisionModel(keras.Model):
 
     def set_loss_scale(self, loss_scale: Any) -> None:
         """Replaces the loss scale (same values as the `loss_scale`
-        argument); its state restarts from the new initial scale."""
-        settings = settings_from_argument(loss_scale)
-        self._mp_chosen_by = "user" if settings is not None else None
-        if settings is None and self.compiled:
-            settings, self._mp_chosen_by = (_DYNAMIC if self._computes_in_float16() else _DISABLED), "auto"
-        self._adopt(settings)
-
-    def _adopt(self, settings: _scale_state.ScaleSettings | None) -> None:
-        if settings == self._mp_settings:
+        argument). Training resumes from a LossScaler's state; "auto" or
+        settings start from their initial scale."""
+        scaler = scaler_from_argument(loss_scale)
+        self._mp_chosen_by = "user" if scaler is not None else None
+        if scaler is None and self.compiled:
+            self._mp_chosen_by = "auto"
+            self._adopt(_DYNAMIC if self._computes_in_float16() else _DISABLED)
             return
-        self._mp_settings = settings
-        initial = _scale_state.initial_values(settings or _DYNAMIC)
-        for name, variable in self._mp_state.items():
-            variable.assign(initial[name])
+        self._adopt(scaler)
+
+    def _adopt(self, scale: LossScaler | _scale_state.ScaleSettings | None) -> None:
+        """Trains with `scale` from here on: a LossScaler moves its state
+        into the model's variables; settings (compile's choice) start from
+        their initial scale, unless they are those already in use."""
+        if scale is self._mp_scaler or (
+            isinstance(scale, _scale_state.ScaleSettings) and scale == self._mp_settings
+        ):
+            return
+        if isinstance(scale, LossScaler):
+            scale.bind(self._mp_state)
+        else:
+            initial = _scale_state.initial_values(scale or _DYNAMIC)
+            for name, variable in self._mp_state.items():
+                variable.assign(initial[name])
+            if scale is not None:
+                scale = LossScaler.viewing(scale, self._mp_state)
+        object.__setattr__(self, "_mp_scaler", scale)
+        self._count_gradients()
         self.train_function = None
+
+    def _count_gradients(self) -> None:
+        """Makes the per-variable non-finite counters for the trainable
+        variables (once they are known; again if they change) and shows
+        them to the scaler."""
+        if not self.built:
+            return
+        paths = [v.path for v in self.trainable_variables]
+        counts = self._mp_counts.get("nonfinite_counts")
+        if counts is None or tuple(counts.shape) != (len(paths),):
+            counts = _variable("nonfinite_counts", _scale_state.COUNTER_DTYPE, np.zeros(len(paths)))
+            self._mp_counts["nonfinite_counts"] = counts
+        if self._mp_scaler is not None:
+            self._mp_scaler.count_gradients(counts, paths)
+
+    def nonfinite_gradient_counts(self) -> dict[str, int]:
+        """Steps with a non-finite gradient so far, per trainable variable
+        path (counted in the step; one host read, between epochs)."""
+        return {} if self._mp_scaler is None else self._mp_scaler.nonfinite_gradient_counts()
+
+    def kept_batch(self) -> None:
+        """None: on JAX, the batch of a skipped step is not kept yet
+        (`kept_batch_note()`)."""
+        return None
+
+    def nonfinite_input_rows(self) -> tuple[int, int] | None:
+        """(rows with a NaN or inf input, rows) of the last skipped step's
+        batch, when some have one: counted in the step, on skipped steps
+        only (a host read, between epochs or after a callback's sync)."""
+        bad, rows = (
+            int(ops.convert_to_numpy(self._mp_counts[n].value))
+            for n in ("skipped_input_rows", "skipped_rows")
+        )
+        return (bad, rows) if bad else None
+
+    def kept_batch_note(self) -> str:
+        """Why no batch is kept to replay."""
+        return "on Keras's JAX backend the batch of a skipped step is not kept yet"
 
     # ------------------------------------------------------------- compile
     def compile(self, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> None:
@@ -269,6 +335,7 @@ class MixedPrecisionModel(keras.Model):
         # optimizer's slots and iterations too instead of skipping them.
         if self.built and not self.optimizer.built:
             self.optimizer.build(self.trainable_variables)
+        self._count_gradients()  # before a load restores them
 
     def _warn_about_findings(self) -> None:
         if self.__dict__.get("_mp_checked"):
@@ -299,6 +366,7 @@ class MixedPrecisionModel(keras.Model):
     def make_train_function(self, force: bool = False):
         if self._mp_settings is None:
             raise RuntimeError("MixedPrecisionModel must be compiled before training.")
+        self._count_gradients()  # before Keras gathers the step's state
         return super().make_train_function(force=force)
 
     # ---------------------------------------------------------------- step
@@ -315,7 +383,7 @@ class MixedPrecisionModel(keras.Model):
                 "unscale twice. Compile with auto_scale_loss=False to scale with loss_scaling()."
             )
         positions = {id(v): i for i, v in enumerate(self.non_trainable_variables)}
-        ours = {**self._mp_state, **self._mp_epoch}
+        ours = {**self._mp_state, **self._mp_epoch, **self._mp_counts}
         return jax_step.LossScaling(
             self._mp_settings, {name: positions[id(v)] for name, v in ours.items()}, non_trainable_variables
         )
@@ -353,7 +421,7 @@ class MixedPrecisionModel(keras.Model):
             (list(trainable), list(optimizer_vars), list(non_trainable)),
         )
         batch_size = next(t for t in keras.tree.flatten(x) if t is not None).shape[0]
-        non_trainable, scale_logs = scaling.finish(outcome, non_trainable, batch_size)
+        non_trainable, scale_logs = scaling.finish(outcome, non_trainable, batch_size, inputs=x)
         logs, metrics_vars = update_metrics_variables(self, metrics_vars, loss, x, y, y_pred, sample_weight)
         return {**logs, **scale_logs}, (trainable, non_trainable, optimizer_vars, metrics_vars)
 
@@ -373,5 +441,5 @@ class MixedPrecisionModel(keras.Model):
         if self._mp_settings is None:
             config["loss_scale"] = AUTO
         else:
-            config["loss_scale"] = _settings_dict(self._mp_settings)
+            config["loss_scale"] = self._mp_scaler.get_config()
         return config

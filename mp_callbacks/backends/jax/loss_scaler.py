@@ -1,0 +1,259 @@
+"""`LossScaler` on Keras's JAX backend: the public loss-scale object.
+
+The same settings, checks, config and state as TensorFlow's `LossScaler`,
+for a JAX `MixedPrecisionModel`. JAX's step is stateless, so the scale's
+state is Keras variables that the model carries through the step, and the
+step scales with `model.loss_scaling(non_trainable_variables)`, not with
+this object: it is the scale's settings, and between epochs (when Keras
+has put the state back into the variables) its read-out and restore.
+During an epoch the variables hold no value: the callbacks read the
+step's logs instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from mp_callbacks import _scale_state
+from mp_callbacks._backend import keras
+from mp_callbacks.errors import BackendNotSupportedError
+
+__all__ = ["LossScaler"]
+
+#: TensorFlow's `LossScaler` methods that work inside a TensorFlow step
+#: (stateful, with a tape); on JAX their place is `model.loss_scaling()`.
+_TENSORFLOW_STEP_METHODS = (
+    "apply_gradients",
+    "build",
+    "check_gradients",
+    "finish_step",
+    "recording",
+    "scale",
+    "step",
+    "unscale",
+    "update",
+)
+
+
+def _variables(settings: _scale_state.ScaleSettings) -> dict[str, Any]:
+    initial = _scale_state.initial_values(settings)
+    return {
+        spec.name: keras.Variable(
+            initial[spec.name],
+            dtype=spec.dtype,
+            trainable=False,
+            autocast=False,
+            name=f"mp_loss_scale_{spec.name}",
+        )
+        for spec in _scale_state.STATE_VARIABLES
+    }
+
+
+class LossScaler:
+    """The loss scale of a JAX `MixedPrecisionModel`: dynamic by default,
+    fixed with `LossScaler.fixed(s)`, none with `LossScaler.disabled()`
+    (non-finite steps are skipped in every case).
+
+    Pass it as `MixedPrecisionModel(..., loss_scale=LossScaler(...))` or to
+    `model.set_loss_scale`; `model.scaler` is then this object, and reads
+    the model's state. Its arguments, their checks and its config are
+    TensorFlow's `LossScaler`'s (see there), so the same code chooses the
+    same scale on both backends. Inside a stateless `train_step` of your
+    own, scale with `model.loss_scaling(non_trainable_variables)`. It
+    serves one model: given to a second, it takes its current state there
+    and reads that model's from then on.
+
+    Args:
+        initial_scale: float. Defaults to `2**15`.
+        growth_interval: int. Defaults to `2000`.
+        growth_factor: float > 1. Defaults to `2.0`.
+        backoff_factor: float in (0, 1). Defaults to `0.5`.
+        min_scale: float. Defaults to `1.0`.
+        max_scale: float. Defaults to `2**24`.
+        hysteresis: int >= 1. Defaults to `1`.
+        name: str. Defaults to `"dynamic_loss_scale"`.
+
+    Raises:
+        ValueError: an argument out of its range (named, with the value).
+        TypeError: an argument of the wrong type (a bool, a string).
+    """
+
+    def __init__(
+        self,
+        initial_scale: float = 2.0**15,
+        growth_interval: int = 2000,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**24,
+        hysteresis: int = 1,
+        name: str = "dynamic_loss_scale",
+    ) -> None:
+        settings = _scale_state.ScaleSettings.checked(
+            initial_scale, growth_interval, growth_factor, backoff_factor, min_scale, max_scale, hysteresis
+        )
+        self._settle(settings, str(name), _variables(settings))
+
+    @classmethod
+    def viewing(
+        cls, settings: _scale_state.ScaleSettings, variables: dict[str, Any], name: str = "dynamic_loss_scale"
+    ) -> LossScaler:
+        """A scaler of checked `settings` over existing state variables (a
+        model's, when compile chooses the scale)."""
+        scaler = cls.__new__(cls)
+        scaler._settle(settings, name, variables)
+        return scaler
+
+    def _settle(self, settings: _scale_state.ScaleSettings, name: str, variables: dict[str, Any]) -> None:
+        self._settings = settings
+        self.name = name
+        self.initial_scale = settings.initial_scale
+        self.growth_interval = settings.growth_interval
+        self.growth_factor = settings.growth_factor
+        self.backoff_factor = settings.backoff_factor
+        self.min_scale = settings.min_scale
+        self.max_scale = settings.max_scale
+        self.hysteresis = settings.hysteresis
+        self._variables = variables
+        # The model's per-variable counters and their paths (see `count_gradients`).
+        self._counts: Any = None
+        self._paths: list[str] = []
+
+    def bind(self, variables: dict[str, Any]) -> None:
+        """Moves this scaler's state into `variables` (a model's) and reads
+        them from then on: the model adopting it carries them through its
+        step."""
+        if variables is self._variables:
+            return
+        for name, variable in variables.items():
+            variable.assign(keras.ops.copy(self._variables[name].value))
+        self._variables = variables
+
+    def count_gradients(self, counts: Any, paths: list[str]) -> None:
+        """Reads the per-variable non-finite counters `counts` (a model's
+        int vector, one entry per trainable variable at `paths`)."""
+        self._counts, self._paths = counts, list(paths)
+
+    # ------------------------------------------------------------------ config
+    @classmethod
+    def fixed(cls, scale: float, name: str = "fixed_loss_scale") -> LossScaler:
+        """A constant loss scale (still skips non-finite steps)."""
+        return cls(initial_scale=scale, min_scale=scale, max_scale=scale, name=name)
+
+    @classmethod
+    def disabled(cls, name: str = "no_loss_scale") -> LossScaler:
+        """No loss scaling: scale 1.0, non-finite steps still skipped."""
+        return cls.fixed(1.0, name=name)
+
+    @property
+    def settings(self) -> _scale_state.ScaleSettings:
+        """The checked settings the state machine runs with."""
+        return self._settings
+
+    @property
+    def is_dynamic(self) -> bool:
+        """True when the scale can change (`min_scale < max_scale`)."""
+        return self._settings.is_dynamic
+
+    @property
+    def scaling_active(self) -> bool:
+        """False when the scale is fixed at 1.0 (nothing is multiplied)."""
+        return self.is_dynamic or self.initial_scale != 1.0
+
+    @property
+    def scales_losses(self) -> bool:
+        """Whether the model's step multiplies the loss by the scale."""
+        return self.scaling_active
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            "initial_scale": self.initial_scale,
+            "growth_interval": self.growth_interval,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "min_scale": self.min_scale,
+            "max_scale": self.max_scale,
+            "hysteresis": self.hysteresis,
+            "name": self.name,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> LossScaler:
+        return cls(**config)
+
+    # ------------------------------------------------------------------- state
+    def get_scale(self) -> float:
+        """The current loss scale (one host read)."""
+        return float(keras.ops.convert_to_numpy(self._variables["scale"].value))
+
+    def diagnostics(self) -> dict[str, Any]:
+        """The state machine's variables as Python numbers, in one host
+        read, keyed by the names in `STATE_VARIABLES`."""
+        names = [spec.name for spec in _scale_state.STATE_VARIABLES]
+        read = jax.device_get([self._variables[name].value for name in names])
+        return {
+            name: int(value) if name in _scale_state.COUNTERS else float(value)
+            for name, value in zip(names, read)
+        }
+
+    def nonfinite_gradient_counts(self) -> dict[str, int]:
+        """Steps with a non-finite gradient, per trainable variable path, in
+        the model's order (empty until the model is built; one host read)."""
+        if self._counts is None:
+            return {}
+        counts = keras.ops.convert_to_numpy(self._counts.value).tolist()
+        return dict(zip(self._paths, (int(c) for c in counts)))
+
+    def reset_divergence_latches(self) -> None:
+        """Forgets earlier divergence: the current and the longest divergent
+        run restart from 0 (a new `fit` starts from here)."""
+        for name in ("divergent_run", "max_divergent_run"):
+            self._variables[name].assign(keras.ops.zeros_like(self._variables[name].value))
+
+    def reset_max_divergent_run(self) -> None:
+        """Restarts the `max_divergent_run` latch from the current run. During
+        an epoch, Keras's JAX trainer keeps a write only after a callback has
+        read its `model` (which puts the trained state into the variables)."""
+        self._variables["max_divergent_run"].assign(keras.ops.copy(self._variables["divergent_run"].value))
+
+    def _state_variables(self) -> dict[str, Any]:
+        state = dict(self._variables)
+        if self._counts is not None:
+            state["nonfinite_counts"] = self._counts
+        return state
+
+    def get_state(self) -> dict[str, Any]:
+        """The state as NumPy values, keyed as TensorFlow's `get_state()`
+        (with `nonfinite_counts` once the model is built)."""
+        return {name: keras.ops.convert_to_numpy(v.value) for name, v in self._state_variables().items()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Restores `get_state()`'s values, all checked before any is set
+        (counters of another shape are ignored)."""
+        for variable, value in _scale_state.validated_updates(self._state_variables(), state):
+            variable.assign(value)
+
+    def reset_lowest_scale(self) -> None:
+        """Restarts the lowest-scale latch from the current scale (a copy:
+        two variables holding one JAX buffer would be donated twice)."""
+        self._variables["lowest_scale"].assign(keras.ops.copy(self._variables["scale"].value))
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _TENSORFLOW_STEP_METHODS:
+            raise BackendNotSupportedError(
+                f"LossScaler.{name} runs inside a TensorFlow step and Keras's backend is 'jax', "
+                "whose step is stateless: inside your own train_step, use "
+                "model.loss_scaling(non_trainable_variables) of a MixedPrecisionModel "
+                "(scale, unscale, check, keep_if_skipped, finish)."
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __repr__(self) -> str:
+        if not self.is_dynamic:
+            return f"LossScaler.fixed({self.initial_scale!r})"
+        return (
+            f"LossScaler(initial_scale={self.initial_scale!r}, "
+            f"growth_interval={self.growth_interval}, hysteresis={self.hysteresis})"
+        )
