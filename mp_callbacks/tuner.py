@@ -22,17 +22,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mp_callbacks._backend import BACKEND, keras
-from mp_callbacks.errors import tensorflow_only
-
-if BACKEND != "tensorflow":
-    raise tensorflow_only("tuner", BACKEND)
-
+from mp_callbacks import LossScaler, MixedPrecisionModel  # this backend's
+from mp_callbacks._backend import keras
 from mp_callbacks._model_building import policy_scope
+from mp_callbacks._scale_state import check_scale
 from mp_callbacks._validation import fail
 from mp_callbacks.hardware import POLICIES
-from mp_callbacks.loss_scale import LossScaler, check_scale
-from mp_callbacks.model import MixedPrecisionModel
 
 try:
     import keras_tuner as kt

@@ -245,13 +245,6 @@ def test_what_runs_on_tensorflow_only_says_so(name):
     assert name not in mp.__all__
 
 
-def test_the_keras_tuner_module_says_it_runs_on_tensorflow_only():
-    with pytest.raises(
-        mp.BackendNotSupportedError, match=r"mp_callbacks\.tuner .*'jax'.*KERAS_BACKEND=tensorflow"
-    ):
-        import mp_callbacks.tuner  # noqa: F401
-
-
 def test_data_parallel_on_two_devices_skips_on_every_device_alike():
     devices = jax.devices("cpu")
     if len(devices) < 2:
