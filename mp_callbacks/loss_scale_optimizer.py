@@ -27,37 +27,20 @@ from typing import Any
 
 from mp_callbacks._backend import keras, tf
 from mp_callbacks._keras_internals import DelegatedCheckpoint
+from mp_callbacks._optimizer_arguments import (
+    check_inner,
+    config_extras,
+    overwrites_with_gradient,
+    scaler_from_arguments,
+)
 from mp_callbacks._unscale_stage import stage_of
-from mp_callbacks._validation import check_int, fail
-from mp_callbacks.errors import MixedPrecisionWarning, UnsupportedArgumentError
-from mp_callbacks.loss_scale import LossScaler, check_fixed_scale, loss_scale_from_argument
+from mp_callbacks.errors import MixedPrecisionWarning
+from mp_callbacks.loss_scale import LossScaler, loss_scale_from_argument
 
 __all__ = ["LossScaleOptimizer"]
 
 logger = logging.getLogger(__name__)
 
-_OWNER = "LossScaleOptimizer"
-# Keras's base-optimizer arguments: accepted at their defaults (configs
-# written by Keras carry them), refused otherwise: set them on the inner one.
-_BASE_DEFAULTS = {
-    "weight_decay": None,
-    "clipnorm": None,
-    "global_clipnorm": None,
-    "clipvalue": None,
-    "use_ema": False,
-    "ema_momentum": 0.99,
-    "ema_overwrite_frequency": None,
-    "loss_scale_factor": None,
-    "gradient_accumulation_steps": None,
-}
-# LossScaler settings beyond tf.keras's, and their defaults.
-_EXTRA_SETTINGS = {
-    "growth_factor": 2.0,
-    "backoff_factor": 0.5,
-    "min_scale": 1.0,
-    "max_scale": 2.0**24,
-    "hysteresis": 1,
-}
 _SCALING_EXAMPLE = """
     with tf.GradientTape() as tape:
       loss = loss_fn()
@@ -65,19 +48,6 @@ _SCALING_EXAMPLE = """
     scaled_grads = tape.gradient(scaled_loss, vars)
     grads = opt.get_unscaled_gradients(scaled_grads)
     opt.apply_gradients([(grads, var)])"""
-
-
-def _overwrites_with_gradient(variable: Any) -> bool:
-    # float8 layers' scale and amax-history variables: their "gradient" is
-    # their next value, which must be neither unscaled nor optimized.
-    return bool(getattr(variable, "overwrite_with_gradient", False))
-
-
-def _integral(value: Any) -> Any:
-    """An integral float (2.0) as an int, as both peers accept one."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
 
 
 @keras.saving.register_keras_serializable(package="mp_callbacks")
@@ -190,36 +160,23 @@ class LossScaleOptimizer(DelegatedCheckpoint, keras.optimizers.LossScaleOptimize
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
-        _check_inner(inner_optimizer)
-        if not isinstance(dynamic, bool):
-            raise TypeError(
-                f'"dynamic" argument to LossScaleOptimizer.__init__ must be a bool, but got: {dynamic!r}'
-            )
-        for argument, default in _BASE_DEFAULTS.items():
-            if argument in kwargs:
-                value = kwargs.pop(argument)
-                if value != default:
-                    raise ValueError(
-                        f"LossScaleOptimizer does not support `{argument}`. Instead, set "
-                        f"`{argument}` on the `inner_optimizer` (received {argument}={value!r})."
-                    )
-        if kwargs:
-            raise UnsupportedArgumentError(
-                f"LossScaleOptimizer does not support arguments: `{'`, `'.join(kwargs)}`."
-            )
-        self_loss_scale = _loss_scale_from_settings(
+        self_loss_scale = scaler_from_arguments(
+            inner_optimizer,
             dynamic,
             initial_scale,
-            _integral(dynamic_growth_steps),
+            dynamic_growth_steps,
             loss_scale,
             {
-                "growth_interval": _integral(growth_interval),
+                "growth_interval": growth_interval,
                 "growth_factor": growth_factor,
                 "backoff_factor": backoff_factor,
                 "min_scale": min_scale,
                 "max_scale": max_scale,
-                "hysteresis": _integral(hysteresis),
+                "hysteresis": hysteresis,
             },
+            kwargs,
+            LossScaler,
+            loss_scale_from_argument,
         )
         # Checked after the arguments, so that a bad argument is named first.
         if getattr(inner_optimizer, "_mp_wrapped_by_loss_scale_optimizer", False):
@@ -239,7 +196,7 @@ class LossScaleOptimizer(DelegatedCheckpoint, keras.optimizers.LossScaleOptimize
         """The optimizer a `MixedPrecisionModel` with its own `train_step`
         trains through: `inner_optimizer` with the model's `loss_scale`,
         whose state the model saves."""
-        _check_inner(inner_optimizer)
+        check_inner(inner_optimizer)
         wrapper = cls.__new__(cls)
         wrapper._wrap(inner_optimizer, loss_scale, "loss_scale_optimizer")
         wrapper._saves_loss_scale = False
@@ -377,7 +334,7 @@ class LossScaleOptimizer(DelegatedCheckpoint, keras.optimizers.LossScaleOptimize
             # their values must reach the inner optimizer as computed.
             scale = loss_scale.loss_scale
             grads = [
-                g * tf.cast(scale, g.dtype) if g is not None and _overwrites_with_gradient(v) else g
+                g * tf.cast(scale, g.dtype) if g is not None and overwrites_with_gradient(v) else g
                 for g, v in zip(grads, variables)
             ]
         loss_scale._apply_unscaled(self.inner_optimizer, grads, variables)
@@ -492,14 +449,7 @@ class LossScaleOptimizer(DelegatedCheckpoint, keras.optimizers.LossScaleOptimize
             "initial_scale": self.initial_scale,
             "dynamic_growth_steps": self.dynamic_growth_steps,
         }
-        if not self.dynamic:
-            config["dynamic"] = False
-            return config
-        scale_config = self.scaler.get_config()
-        for key, default in _EXTRA_SETTINGS.items():
-            if scale_config[key] != default:
-                config[key] = scale_config[key]
-        return config
+        return {**config, **config_extras(self.scaler)}
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> LossScaleOptimizer:
@@ -535,83 +485,3 @@ class LossScaleOptimizer(DelegatedCheckpoint, keras.optimizers.LossScaleOptimize
         self.scaler.set_state(
             {key[len(prefix) :] if key.startswith(prefix) else key: store[key] for key in store.keys()}
         )
-
-
-def _check_inner(inner_optimizer: Any) -> None:
-    if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
-        raise TypeError(
-            "LossScaleOptimizer cannot wrap another LossScaleOptimizer, but got: "
-            f"{inner_optimizer!r}: it would scale the loss twice."
-        )
-    if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
-        raise TypeError(
-            '"inner_optimizer" must be an instance of keras.optimizers.Optimizer, '
-            f"but got: {inner_optimizer!r}."
-        )
-
-
-def _loss_scale_from_settings(
-    dynamic: bool,
-    initial_scale: Any,
-    dynamic_growth_steps: Any,
-    loss_scale: Any,
-    keywords: dict[str, Any],
-) -> LossScaler:
-    """The LossScaler that tf.keras's arguments (and the keywords)
-    describe, refusing contradictions with a message naming them."""
-    if dynamic_growth_steps is not None:
-        if not dynamic:
-            raise ValueError(
-                '"dynamic_growth_steps" must be None if "dynamic" is False, '
-                f"but got: {dynamic_growth_steps!r}"
-            )
-        dynamic_growth_steps = check_int(_OWNER, "dynamic_growth_steps", dynamic_growth_steps, low=1)
-        interval = keywords["growth_interval"]
-        if interval is not None and interval != dynamic_growth_steps:
-            raise ValueError(
-                f"{_OWNER}: `dynamic_growth_steps` and `growth_interval` are the same "
-                f"setting and disagree; received dynamic_growth_steps="
-                f"{dynamic_growth_steps!r}, growth_interval={interval!r}."
-            )
-        keywords["growth_interval"] = dynamic_growth_steps
-    settings = {"initial_scale": initial_scale, **keywords}
-    given = {key: value for key, value in settings.items() if value is not None}
-    if loss_scale is not None:
-        if given or not dynamic:
-            names = sorted(given) + ([] if dynamic else ["dynamic"])
-            raise ValueError(
-                f"{_OWNER}: pass either `loss_scale` or the scale's settings "
-                f"({', '.join(names)}), not both; received loss_scale={loss_scale!r} "
-                f"with {', '.join(f'{k}={v!r}' for k, v in given.items()) or 'dynamic=False'}."
-            )
-        return _loss_scale_from_argument(loss_scale)
-    if dynamic:
-        return LossScaler(**given)
-    if initial_scale is None:
-        raise ValueError(
-            '"initial_scale" must be specified if "dynamic" is False: it is the fixed '
-            "loss scale (Keras 3 has no dynamic=False: there, set `loss_scale_factor` "
-            "on the inner optimizer instead)."
-        )
-    extra = sorted(set(given) - {"initial_scale"})
-    if extra:
-        raise ValueError(
-            f"{_OWNER}: {', '.join(extra)} only apply to a dynamic loss scale, but dynamic=False."
-        )
-    return LossScaler.fixed(check_fixed_scale(_OWNER, "initial_scale", initial_scale))
-
-
-def _loss_scale_from_argument(value: Any) -> LossScaler:
-    if isinstance(value, str) or (isinstance(value, dict) and not value):
-        fail(
-            _OWNER,
-            "loss_scale",
-            value,
-            "a LossScaler, its config dict, or a number in [2**-24, 2**64] (fixed scale)",
-            ValueError if isinstance(value, (str, dict)) else TypeError,
-        )
-    if isinstance(value, dict):
-        return LossScaler.from_config(value)
-    result = loss_scale_from_argument(value, owner=_OWNER)
-    assert result is not None  # only "auto" gives None, refused above
-    return result

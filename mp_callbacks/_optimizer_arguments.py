@@ -1,0 +1,194 @@
+"""`LossScaleOptimizer`'s arguments, one parser for every backend.
+
+tf.keras's (`dynamic`, `initial_scale`, `dynamic_growth_steps`), Keras 3's
+(which refuse the base optimizer's arguments and unknown ones), and the
+`LossScaler` settings beyond both, or a ready `loss_scale`: checked in
+one place, so both backends refuse the same input with the same message.
+The backend's `LossScaler` class and its `loss_scale=` parser come in as
+arguments (the one parser of `loss_scale=` per backend stays the model's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from mp_callbacks._backend import keras
+from mp_callbacks._scale_state import check_fixed_scale
+from mp_callbacks._validation import check_int, fail
+from mp_callbacks.errors import UnsupportedArgumentError
+
+__all__ = [
+    "BASE_DEFAULTS",
+    "EXTRA_SETTINGS",
+    "check_inner",
+    "overwrites_with_gradient",
+    "scaler_from_arguments",
+]
+
+OWNER = "LossScaleOptimizer"
+#: Keras's base-optimizer arguments: accepted at their defaults (configs
+#: written by Keras carry them), refused otherwise: set them on the inner one.
+BASE_DEFAULTS = {
+    "weight_decay": None,
+    "clipnorm": None,
+    "global_clipnorm": None,
+    "clipvalue": None,
+    "use_ema": False,
+    "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None,
+    "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
+}
+#: LossScaler settings beyond tf.keras's, and their defaults.
+EXTRA_SETTINGS = {
+    "growth_factor": 2.0,
+    "backoff_factor": 0.5,
+    "min_scale": 1.0,
+    "max_scale": 2.0**24,
+    "hysteresis": 1,
+}
+
+
+def overwrites_with_gradient(variable: Any) -> bool:
+    """float8 layers' scale and amax-history variables: their "gradient" is
+    their next value, which must be neither unscaled nor optimized."""
+    return bool(getattr(variable, "overwrite_with_gradient", False))
+
+
+def integral(value: Any) -> Any:
+    """An integral float (2.0) as an int, as both peers accept one."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def check_inner(inner_optimizer: Any) -> None:
+    if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+        raise TypeError(
+            "LossScaleOptimizer cannot wrap another LossScaleOptimizer, but got: "
+            f"{inner_optimizer!r}: it would scale the loss twice."
+        )
+    if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            '"inner_optimizer" must be an instance of keras.optimizers.Optimizer, '
+            f"but got: {inner_optimizer!r}."
+        )
+
+
+def scaler_from_arguments(
+    inner_optimizer: Any,
+    dynamic: Any,
+    initial_scale: Any,
+    dynamic_growth_steps: Any,
+    loss_scale: Any,
+    keywords: dict[str, Any],
+    kwargs: dict[str, Any],
+    scaler_class: type,
+    from_argument: Callable[..., Any],
+) -> Any:
+    """The `scaler_class` object that `LossScaleOptimizer`'s arguments
+    describe; every refusal names the argument and the value."""
+    check_inner(inner_optimizer)
+    if not isinstance(dynamic, bool):
+        raise TypeError(
+            f'"dynamic" argument to LossScaleOptimizer.__init__ must be a bool, but got: {dynamic!r}'
+        )
+    for argument, default in BASE_DEFAULTS.items():
+        if argument in kwargs:
+            value = kwargs.pop(argument)
+            if value != default:
+                raise ValueError(
+                    f"LossScaleOptimizer does not support `{argument}`. Instead, set "
+                    f"`{argument}` on the `inner_optimizer` (received {argument}={value!r})."
+                )
+    if kwargs:
+        raise UnsupportedArgumentError(
+            f"LossScaleOptimizer does not support arguments: `{'`, `'.join(kwargs)}`."
+        )
+    keywords = {
+        key: integral(v) if key in ("growth_interval", "hysteresis") else v for key, v in keywords.items()
+    }
+    return _scaler_from_settings(
+        dynamic,
+        initial_scale,
+        integral(dynamic_growth_steps),
+        loss_scale,
+        keywords,
+        scaler_class,
+        from_argument,
+    )
+
+
+def _scaler_from_settings(
+    dynamic: bool,
+    initial_scale: Any,
+    dynamic_growth_steps: Any,
+    loss_scale: Any,
+    keywords: dict[str, Any],
+    scaler_class: Any,
+    from_argument: Callable[..., Any],
+) -> Any:
+    """The scale tf.keras's arguments (and the keywords) describe, refusing
+    contradictions with a message naming them."""
+    if dynamic_growth_steps is not None:
+        if not dynamic:
+            raise ValueError(
+                '"dynamic_growth_steps" must be None if "dynamic" is False, '
+                f"but got: {dynamic_growth_steps!r}"
+            )
+        dynamic_growth_steps = check_int(OWNER, "dynamic_growth_steps", dynamic_growth_steps, low=1)
+        interval = keywords["growth_interval"]
+        if interval is not None and interval != dynamic_growth_steps:
+            raise ValueError(
+                f"{OWNER}: `dynamic_growth_steps` and `growth_interval` are the same "
+                f"setting and disagree; received dynamic_growth_steps="
+                f"{dynamic_growth_steps!r}, growth_interval={interval!r}."
+            )
+        keywords["growth_interval"] = dynamic_growth_steps
+    settings = {"initial_scale": initial_scale, **keywords}
+    given = {key: value for key, value in settings.items() if value is not None}
+    if loss_scale is not None:
+        if given or not dynamic:
+            names = sorted(given) + ([] if dynamic else ["dynamic"])
+            raise ValueError(
+                f"{OWNER}: pass either `loss_scale` or the scale's settings "
+                f"({', '.join(names)}), not both; received loss_scale={loss_scale!r} "
+                f"with {', '.join(f'{k}={v!r}' for k, v in given.items()) or 'dynamic=False'}."
+            )
+        if isinstance(loss_scale, str) or (isinstance(loss_scale, dict) and not loss_scale):
+            fail(
+                OWNER,
+                "loss_scale",
+                loss_scale,
+                "a LossScaler, its config dict, or a number in [2**-24, 2**64] (fixed scale)",
+                ValueError,
+            )
+        if isinstance(loss_scale, dict):
+            return scaler_class.from_config(loss_scale)
+        result = from_argument(loss_scale, owner=OWNER)
+        assert result is not None  # only "auto" gives None, refused above
+        return result
+    if dynamic:
+        return scaler_class(**given)
+    if initial_scale is None:
+        raise ValueError(
+            '"initial_scale" must be specified if "dynamic" is False: it is the fixed '
+            "loss scale (Keras 3 has no dynamic=False: there, set `loss_scale_factor` "
+            "on the inner optimizer instead)."
+        )
+    extra = sorted(set(given) - {"initial_scale"})
+    if extra:
+        raise ValueError(
+            f"{OWNER}: {', '.join(extra)} only apply to a dynamic loss scale, but dynamic=False."
+        )
+    return scaler_class.fixed(check_fixed_scale(OWNER, "initial_scale", initial_scale))
+
+
+def config_extras(scaler: Any) -> dict[str, Any]:
+    """The config keys beyond Keras 3's four: `dynamic=False` for a fixed
+    scale, else every LossScaler setting that is not its default."""
+    if not scaler.is_dynamic:
+        return {"dynamic": False}
+    scale_config = scaler.get_config()
+    return {key: scale_config[key] for key, default in EXTRA_SETTINGS.items() if scale_config[key] != default}
