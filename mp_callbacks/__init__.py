@@ -53,6 +53,7 @@ if BACKEND == "tensorflow":
     from mp_callbacks.speed_comparison import SpeedComparison
 else:
     from mp_callbacks.autotune import autotune
+    from mp_callbacks.backends.jax.loss_scale_optimizer import LossScaleOptimizer
     from mp_callbacks.backends.jax.loss_scaler import LossScaler  # type: ignore[assignment]
     from mp_callbacks.backends.jax.model import LOG_KEYS, MixedPrecisionModel
     from mp_callbacks.diagnosis import PrecisionReport, diagnose_batch
@@ -69,7 +70,7 @@ else:
 __version__ = _package_version()
 
 #: Public names that run on TensorFlow only, for now.
-TENSORFLOW_ONLY = ("LossScaleOptimizer",)
+TENSORFLOW_ONLY: tuple[str, ...] = ()
 
 
 def __getattr__(name: str):

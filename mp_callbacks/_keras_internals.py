@@ -290,6 +290,12 @@ def optimizer_built_variables(optimizer: Any) -> list[Any]:
     return list(getattr(optimizer, "_trainable_variables", None) or [])
 
 
+def optimizer_own_variables(optimizer: Any) -> list[Any]:
+    """The variables an optimizer made itself (`Optimizer._variables`: its
+    `iterations` and what its `add_variable` made, not a wrapped optimizer's)."""
+    return list(optimizer._variables)
+
+
 def seed_generators_of(layer: Any) -> list[Any]:
     """The `SeedGenerator`s a layer tracks (a layer that draws random numbers)."""
     return list(getattr(layer, "_seed_generators", None) or [])
@@ -479,8 +485,14 @@ INTERNALS = (
     ),
     Internal(
         "Optimizer._trainable_variables",
-        "_gated_update.py (the zero buffer is as large as the largest variable)",
+        "_gated_update.py (the zero buffer is as large as the largest variable), "
+        "backends/jax/loss_scale_optimizer.py (which gradient is whose)",
         lambda: _built_for_its_variables(),
+    ),
+    Internal(
+        "Optimizer._variables",
+        "backends/jax/loss_scale_optimizer.py (its own state, apart from the inner optimizer's)",
+        lambda: optimizer_own_variables(keras.optimizers.SGD())[0].path.endswith("iteration"),
     ),
     Internal(
         "Layer._seed_generators",

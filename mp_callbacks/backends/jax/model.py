@@ -305,7 +305,10 @@ class MixedPrecisionModel(keras.Model):
         auto_scale_loss = kwargs.pop("auto_scale_loss", True)
         optimizer = keras.optimizers.get(optimizer)
         adopted = None
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        if isinstance(getattr(optimizer, "scaler", None), LossScaler):
+            adopted = optimizer.scaler.settings  # mp_callbacks.LossScaleOptimizer: all of its settings
+            optimizer = optimizer.inner_optimizer
+        elif isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             adopted = _scale_state.ScaleSettings.checked(
                 **{
                     **_settings_dict(_DYNAMIC),
