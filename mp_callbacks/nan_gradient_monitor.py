@@ -251,9 +251,6 @@ class NaNGradientMonitor(MixedPrecisionCallback):
 
     def _nonfinite_input_rows(self) -> tuple[int, int] | None:
         """(rows with a NaN or inf input, rows) of the kept batch, when some have one."""
-        counted = getattr(self.model, "nonfinite_input_rows", None)  # JAX: counted in the step
-        if callable(counted):
-            return counted()
         kept = getattr(self.model, "kept_batch", None)
         batch = kept() if callable(kept) else None
         if batch is None:

@@ -46,3 +46,49 @@ def test_the_page_names_what_does_not_run_on_jax_as_the_library_does():
     named = {name for row in rows for name in re.findall(r"`([A-Za-z_]+)`", row.split("|")[1])}
     assert named == set(mp.TENSORFLOW_ONLY)
     assert not named & set(mp.__all__)  # nothing that runs here is said not to
+
+
+DOCS = PAGE.parents[1]
+_USES_TENSORFLOW = re.compile(r"\btf\.|import tensorflow")
+
+
+def _pages_without_tensorflow():
+    """The pages whose code uses no TensorFlow: a JAX user runs them as
+    written (the rest are TensorFlow's own: tapes, tf.distribute)."""
+    pages = sorted(DOCS.rglob("*.md"))
+    return [
+        page
+        for page in pages
+        if page != PAGE
+        and BLOCK.findall(page.read_text())
+        and not any(_USES_TENSORFLOW.search(block) for block in BLOCK.findall(page.read_text()))
+    ]
+
+
+def test_the_sweep_runs_the_pages_a_jax_user_would_run():
+    names = {page.stem for page in _pages_without_tensorflow()}
+    assert {"model", "callbacks", "finding-overflows", "autotune", "keras-tuner", "index"} <= names
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", _pages_without_tensorflow(), ids=lambda p: str(p.relative_to(DOCS)))
+def test_every_page_without_tensorflow_runs_on_jax_and_prints_what_it_says(page):
+    blocks = [b for b in BLOCK.findall(page.read_text()) if not b.startswith("# fragment")]
+    namespace: dict = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
+    printed: list[str] = []
+    keras.utils.set_random_seed(0)
+    try:
+        for number, code in enumerate(blocks, 1):
+            output = io.StringIO()
+            with contextlib.redirect_stdout(output):
+                exec(compile(code, f"<{page.name} block {number}>", "exec"), namespace)
+            printed += [line.strip() for line in output.getvalue().splitlines() if line.strip()]
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    expected = [
+        line.split("  # ", 1)[1].strip()
+        for code in blocks
+        for line in code.splitlines()
+        if line.lstrip().startswith("print(") and "  # " in line
+    ]
+    assert printed == expected

@@ -262,6 +262,8 @@ def test_data_parallel_on_two_devices_skips_on_every_device_alike():
         keras.distribution.set_distribution(None)
     assert history["skipped_steps"] == [1.0]
     assert [p for p in before if not np.array_equal(before[p], after[p])] == []
+    # Each device holds only its half of the batch: none is kept to replay.
+    assert model.kept_batch() is None and "keras.distribution" in model.kept_batch_note()
 
 
 _OUTCOMES = st.sampled_from(["finite", "overflow", "bad_loss"])
@@ -417,6 +419,7 @@ class _ScaledOwnStep(mp.MixedPrecisionModel):
         )
         grads = scaling.unscale(grads)
         outcome = scaling.check(grads, loss)
+        scaling.hand_over_if_skipped(outcome, non_trainable, (x, y, None), self.keep_skipped_batch)
         new_trainable, new_optimizer_vars = self.optimizer.stateless_apply(optimizer_vars, grads, trainable)
         trainable, optimizer_vars, non_trainable = scaling.keep_if_skipped(
             outcome,
@@ -444,6 +447,8 @@ def test_your_own_step_scales_and_skips_with_loss_scaling():
     assert [p for p in before if not np.array_equal(before[p], after[p])] == []  # BatchNorm's too
     assert history["skipped_steps"] == [1.0]
     assert model.loss_scale_state()["nonfinite_loss_steps"] == 1
+    (kept_x, _, _), step = model.kept_batch()  # handed over by the step, for the replay
+    assert step == 4 and np.isnan(kept_x).sum() == 1 and model.kept_batch_note() is None
 
 
 def test_loss_scaling_refuses_a_keras_loss_scale_optimizer_that_would_unscale_twice():

@@ -88,7 +88,8 @@ def test_raise_names_the_poisoned_layer_and_nothing_else():
     assert error.variables == ["poisoned/kernel"] and error.origin == "poisoned"
     assert error.step == 2 and error.scale == 1.0
     assert "clean" not in str(error) and "head" not in str(error)
-    assert "not replayed: on Keras's JAX backend" in str(error)
+    assert "found by replaying the batch of the last skipped step" in str(error)
+    assert error.report is not None and error.report.origin == "poisoned"
 
 
 def test_overflow_handled_by_scaling_is_not_divergence():
@@ -136,7 +137,10 @@ def test_a_skipped_batch_with_nan_inputs_is_bad_data_not_divergence():
         )
     assert monitor.error is None and monitor.bad_data_steps == 1 and not model.stop_training
     assert history.history["skipped_steps"] == [1.0]
-    assert model.nonfinite_input_rows() == (2, 4)
+    (kept_x, kept_y, kept_weights), step = model.kept_batch()
+    assert step == 1 and kept_weights is None
+    np.testing.assert_array_equal(kept_x, x[4:8])  # NaN == NaN for assert_array_equal
+    np.testing.assert_array_equal(kept_y, np.zeros((4, 1)))
 
 
 def test_healthy_training_reads_the_device_only_every_check_every_steps():
@@ -151,7 +155,7 @@ def test_healthy_training_reads_the_device_only_every_check_every_steps():
     assert len(reads) == 1 + 6 + 2
     assert monitor.error is None and monitor.skipped_steps == 0
     assert history.history["skipped_steps"] == [0.0, 0.0]
-    assert model.nonfinite_input_rows() is None
+    assert model.kept_batch() is None and model.kept_batch_note() is None
 
 
 def test_the_counters_are_saved_and_restored(tmp_path):

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import logging
 import numbers
+import threading
 from typing import Any
 
+import jax
 import numpy as np
 
 from mp_callbacks import _scale_state
@@ -101,6 +103,26 @@ def _settings_dict(settings: _scale_state.ScaleSettings) -> dict[str, Any]:
     }
 
 
+class _KeptBatch:
+    """The batch of the last skipped step, on the host: the step hands it
+    over in the branch only skipped steps take (`hand_over_if_skipped`),
+    and a read waits for callbacks still on their way."""
+
+    def __init__(self) -> None:
+        self.kept: tuple[Any, int] | None = None
+        self.not_kept: str | None = None
+        self._lock = threading.Lock()
+
+    def receive(self, batch: Any, step: Any) -> None:
+        with self._lock:
+            self.kept = (jax.tree.map(np.asarray, batch), int(step))
+
+    def read(self) -> tuple[Any, int] | None:
+        jax.effects_barrier()
+        with self._lock:
+            return self.kept
+
+
 @keras.saving.register_keras_serializable(package="mp_callbacks")
 class MixedPrecisionModel(keras.Model):
     """A `keras.Model` whose step scales the loss, skips non-finite steps
@@ -137,14 +159,8 @@ class MixedPrecisionModel(keras.Model):
         object.__setattr__(self, "_mp_epoch", epoch)
         # Per trainable variable, steps whose gradient was not finite: made
         # once the variables are known (`_count_gradients`).
-        object.__setattr__(
-            self,
-            "_mp_counts",
-            {
-                name: _variable(name, _scale_state.COUNTER_DTYPE, 0)
-                for name in ("skipped_input_rows", "skipped_rows")  # the last skipped batch's
-            },
-        )
+        object.__setattr__(self, "_mp_counts", {})
+        object.__setattr__(self, "_mp_kept", _KeptBatch())
         #: The LossScaler in use, reading `_mp_state` (None: "auto" until compile).
         object.__setattr__(self, "_mp_scaler", None)
         if scaler is not None:
@@ -267,24 +283,26 @@ class MixedPrecisionModel(keras.Model):
         path (counted in the step; one host read, between epochs)."""
         return {} if self._mp_scaler is None else self._mp_scaler.nonfinite_gradient_counts()
 
-    def kept_batch(self) -> None:
-        """None: on JAX, the batch of a skipped step is not kept yet
-        (`kept_batch_note()`)."""
-        return None
+    def kept_batch(self) -> tuple[tuple[Any, Any, Any], int] | None:
+        """The last batch whose step was skipped, and that step's number
+        (0-based), as `((x, y, sample_weight), step)` in NumPy; None when no
+        step was skipped, or where no batch is kept (`kept_batch_note()`).
+        `diagnose_batch(model, *batch)` replays it."""
+        return self._mp_kept.read()
 
-    def nonfinite_input_rows(self) -> tuple[int, int] | None:
-        """(rows with a NaN or inf input, rows) of the last skipped step's
-        batch, when some have one: counted in the step, on skipped steps
-        only (a host read, between epochs or after a callback's sync)."""
-        bad, rows = (
-            int(ops.convert_to_numpy(self._mp_counts[n].value))
-            for n in ("skipped_input_rows", "skipped_rows")
-        )
-        return (bad, rows) if bad else None
+    def kept_batch_note(self) -> str | None:
+        """Why the last skipped step's batch could not be kept, or None."""
+        if type(self).train_step is not MixedPrecisionModel.train_step and self._mp_kept.kept is None:
+            return (
+                "your own train_step keeps no batch unless it calls "
+                "scaling.hand_over_if_skipped(outcome, non_trainable, batch, self.keep_skipped_batch)"
+            )
+        return self._mp_kept.not_kept
 
-    def kept_batch_note(self) -> str:
-        """Why no batch is kept to replay."""
-        return "on Keras's JAX backend the batch of a skipped step is not kept yet"
+    def keep_skipped_batch(self, batch: Any, step: Any) -> None:
+        """Receives a skipped step's batch on the host (what
+        `LossScaling.hand_over_if_skipped` calls)."""
+        self._mp_kept.receive(batch, step)
 
     # ------------------------------------------------------------- compile
     def compile(self, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> None:
@@ -417,6 +435,16 @@ class MixedPrecisionModel(keras.Model):
         loss, y_pred, new_non_trainable, metrics_vars = aux
         grads = scaling.unscale(grads)
         outcome = scaling.check(grads, loss)
+        if keras.distribution.distribution() is None:
+            scaling.hand_over_if_skipped(
+                outcome, non_trainable, (x, y, sample_weight), self.keep_skipped_batch
+            )
+            self._mp_kept.not_kept = None
+        else:
+            self._mp_kept.not_kept = (
+                "under keras.distribution each device holds only its part of the batch, "
+                "so no single batch is kept to replay"
+            )
         new_trainable, new_optimizer_vars = self.optimizer.stateless_apply(optimizer_vars, grads, trainable)
         trainable, optimizer_vars, non_trainable = scaling.keep_if_skipped(
             outcome,
@@ -424,7 +452,7 @@ class MixedPrecisionModel(keras.Model):
             (list(trainable), list(optimizer_vars), list(non_trainable)),
         )
         batch_size = next(t for t in keras.tree.flatten(x) if t is not None).shape[0]
-        non_trainable, scale_logs = scaling.finish(outcome, non_trainable, batch_size, inputs=x)
+        non_trainable, scale_logs = scaling.finish(outcome, non_trainable, batch_size)
         logs, metrics_vars = update_metrics_variables(self, metrics_vars, loss, x, y, y_pred, sample_weight)
         return {**logs, **scale_logs}, (trainable, non_trainable, optimizer_vars, metrics_vars)
 

@@ -25,7 +25,6 @@ __all__ = [
     "check",
     "keep_if_skipped",
     "next_scale_state",
-    "nonfinite_rows",
     "scale_loss",
     "unscale",
 ]
@@ -69,25 +68,6 @@ def keep_if_skipped(applied: Any, new: Any, old: Any) -> Any:
     BatchNormalization's statistics differently (an ulp off stock in
     float32)."""
     return jax.lax.cond(applied, lambda: new, lambda: old)
-
-
-def nonfinite_rows(inputs: Any) -> Any:
-    """Rows of a batch with a NaN or inf in any floating-point input (int)."""
-    flat = [
-        t
-        for t in keras.tree.flatten(inputs)
-        if t is not None
-        and len(t.shape) >= 1
-        and keras.backend.standardize_dtype(t.dtype) in ("float16", "bfloat16", "float32", "float64")
-    ]
-    if not flat:
-        return ops.zeros((), _scale_state.COUNTER_DTYPE)
-    rows = flat[0].shape[0]
-    bad = None
-    for tensor in (t for t in flat if t.shape[0] == rows):
-        row_bad = ops.logical_not(ops.all(ops.isfinite(ops.reshape(tensor, (rows, -1))), axis=1))
-        bad = row_bad if bad is None else ops.logical_or(bad, row_bad)
-    return ops.sum(ops.cast(bad, _scale_state.COUNTER_DTYPE))
 
 
 def next_scale_state(
@@ -138,22 +118,24 @@ class LossScaling:
         `old` (the state that came in)."""
         return keep_if_skipped(outcome.applied, new, old)
 
+    def hand_over_if_skipped(
+        self, outcome: StepOutcome, non_trainable: Sequence[Any], batch: Any, receive: Any
+    ) -> None:
+        """Calls `receive(batch, step)` on the host where the step is
+        skipped, `step` being the 0-based number of the step: a callback in
+        the branch only skipped steps take, so healthy steps do no work for
+        it (a kept copy in the state would be copied every step: XLA copies
+        what a conditional passes through)."""
+        step = non_trainable[self._at["step_count"]]
+        jax.lax.cond(outcome.applied, lambda: None, lambda: jax.debug.callback(receive, batch, step))
+
     def finish(
-        self, outcome: StepOutcome, non_trainable: Sequence[Any], batch_size: int, inputs: Any = None
+        self, outcome: StepOutcome, non_trainable: Sequence[Any], batch_size: int
     ) -> tuple[list[Any], dict[str, Any]]:
         """The non-trainable values with the scale's next state and this
         epoch's figures in them, and the logs' `loss_scale`, `grad_norm`
-        and `skipped_steps`. With the batch's `inputs`, a skipped step also
-        counts the rows holding a NaN or inf input, for `NaNGradientMonitor`
-        to tell bad data from divergence (only skipped steps pay for it)."""
+        and `skipped_steps`."""
         values = list(non_trainable)
-        if inputs is not None and "skipped_input_rows" in self._at:
-            bad_at, rows_at = self._at["skipped_input_rows"], self._at["skipped_rows"]
-            values[bad_at], values[rows_at] = jax.lax.cond(
-                outcome.applied,
-                lambda: (values[bad_at], values[rows_at]),
-                lambda: (nonfinite_rows(inputs), ops.full((), batch_size, values[rows_at].dtype)),
-            )
         before = {spec.name: values[self._at[spec.name]] for spec in _scale_state.STATE_VARIABLES}
         after = next_scale_state(self._settings, before, outcome)
         applied = ops.cast(outcome.applied, "float32")
