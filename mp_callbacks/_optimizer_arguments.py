@@ -185,10 +185,32 @@ def _scaler_from_settings(
     return scaler_class.fixed(check_fixed_scale(OWNER, "initial_scale", initial_scale))
 
 
-def config_extras(scaler: Any) -> dict[str, Any]:
-    """The config keys beyond Keras 3's four: `dynamic=False` for a fixed
-    scale, else every LossScaler setting that is not its default."""
+def optimizer_config(optimizer: Any) -> dict[str, Any]:
+    """Keras 3's layout (`name`, `inner_optimizer`, `initial_scale`,
+    `dynamic_growth_steps`), plus `dynamic=False` for a fixed scale and any
+    `LossScaler` setting that is not its default."""
+    config: dict[str, Any] = {
+        "name": optimizer.name,
+        "inner_optimizer": keras.saving.serialize_keras_object(optimizer.inner_optimizer),
+        "initial_scale": optimizer.initial_scale,
+        "dynamic_growth_steps": optimizer.dynamic_growth_steps,
+    }
+    scaler = optimizer.scaler
     if not scaler.is_dynamic:
-        return {"dynamic": False}
+        return {**config, "dynamic": False}
     scale_config = scaler.get_config()
-    return {key: scale_config[key] for key, default in EXTRA_SETTINGS.items() if scale_config[key] != default}
+    extras = {
+        key: scale_config[key] for key, default in EXTRA_SETTINGS.items() if scale_config[key] != default
+    }
+    return {**config, **extras}
+
+
+def optimizer_from_config(cls: type, config: dict[str, Any], custom_objects: Any = None) -> Any:
+    """`cls` rebuilt from `optimizer_config`'s layout (or Keras 3's)."""
+    config = dict(config)
+    inner = keras.saving.deserialize_keras_object(
+        config.pop("inner_optimizer"), custom_objects=custom_objects
+    )
+    if not config.get("dynamic", True):
+        config.pop("dynamic_growth_steps", None)  # None in a fixed scale's config
+    return cls(inner, **config)

@@ -40,6 +40,7 @@ from mp_callbacks._gradient_check import (
     nonfinite_flag,
 )
 from mp_callbacks._keras_internals import strategy_supports_no_merge_call
+from mp_callbacks._scale_config import ScaleConfig
 from mp_callbacks._scale_state import (
     MAX_FIXED_LOSS_SCALE,
     MIN_LOSS_SCALE,
@@ -99,7 +100,7 @@ class _Untracked:
 
 
 @keras.saving.register_keras_serializable(package="mp_callbacks")
-class LossScaler(tf.Module):
+class LossScaler(ScaleConfig, tf.Module):
     """The loss scale of mixed-precision training, and the skip of
     non-finite steps: dynamic by default, fixed with `LossScaler.fixed(s)`,
     none with `LossScaler.disabled()` (non-finite steps are skipped in
@@ -180,14 +181,7 @@ class LossScaler(tf.Module):
             initial_scale, growth_interval, growth_factor, backoff_factor, min_scale, max_scale, hysteresis
         )
         super().__init__(name=name)
-        self._settings = settings
-        self.initial_scale = settings.initial_scale
-        self.growth_interval = settings.growth_interval
-        self.growth_factor = settings.growth_factor
-        self.backoff_factor = settings.backoff_factor
-        self.min_scale = settings.min_scale
-        self.max_scale = settings.max_scale
-        self.hysteresis = settings.hysteresis
+        self._take_settings(settings)
 
         initial = _scale_state.initial_values(settings)
         self._state: dict[str, tf.Variable] = {}
@@ -211,52 +205,6 @@ class LossScaler(tf.Module):
         # Whether the last recorded step scaled its loss (None: none traced yet).
         self._scaling_seen: bool | None = None
         self._warned_optimizers: set[int] = set()
-
-    # ------------------------------------------------------------------ config
-    @classmethod
-    def fixed(cls, scale: float, name: str = "fixed_loss_scale") -> LossScaler:
-        """A constant loss scale (still skips non-finite steps)."""
-        return cls(initial_scale=scale, min_scale=scale, max_scale=scale, name=name)
-
-    @classmethod
-    def disabled(cls, name: str = "no_loss_scale") -> LossScaler:
-        """No loss scaling: scale 1.0, non-finite steps still skipped."""
-        return cls.fixed(1.0, name=name)
-
-    @property
-    def is_dynamic(self) -> bool:
-        """True when the scale can change (`min_scale < max_scale`)."""
-        return self.min_scale < self.max_scale
-
-    @property
-    def scaling_active(self) -> bool:
-        """False when the scale is fixed at 1.0 (multiplying is skipped)."""
-        return self.is_dynamic or self.initial_scale != 1.0
-
-    def get_config(self) -> dict[str, Any]:
-        return {
-            "initial_scale": self.initial_scale,
-            "growth_interval": self.growth_interval,
-            "growth_factor": self.growth_factor,
-            "backoff_factor": self.backoff_factor,
-            "min_scale": self.min_scale,
-            "max_scale": self.max_scale,
-            "hysteresis": self.hysteresis,
-            "name": self.name,
-        }
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> LossScaler:
-        return cls(**config)
-
-    def __repr__(self) -> str:
-        if not self.is_dynamic:
-            return f"LossScaler.fixed({self.initial_scale!r})"
-        return (
-            f"LossScaler(initial_scale={self.initial_scale!r}, "
-            f"growth_interval={self.growth_interval}, "
-            f"hysteresis={self.hysteresis})"
-        )
 
     # ----------------------------------------------------------------- build
     @property

@@ -16,17 +16,19 @@ BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 pytestmark = pytest.mark.skipif(keras.backend.backend() != "jax", reason="the JAX backend's tests")
 
 
-def test_the_backends_page_runs_and_prints_what_it_says():
-    blocks = [b for b in BLOCK.findall(PAGE.read_text()) if not b.startswith("# fragment")]
+def _printed_and_expected(page: Path) -> tuple[list[str], list[str]]:
+    """What a page's code blocks print when run in order in one namespace,
+    and what its `print(...)  # expected` lines say they print."""
+    blocks = [b for b in BLOCK.findall(page.read_text()) if not b.startswith("# fragment")]
     assert blocks
-    namespace: dict = {"__name__": "docs_backends"}
+    namespace: dict = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
     printed: list[str] = []
     keras.utils.set_random_seed(0)
     try:
         for number, code in enumerate(blocks, 1):
             output = io.StringIO()
             with contextlib.redirect_stdout(output):
-                exec(compile(code, f"<backends.md block {number}>", "exec"), namespace)
+                exec(compile(code, f"<{page.name} block {number}>", "exec"), namespace)
             printed += [line.strip() for line in output.getvalue().splitlines() if line.strip()]
     finally:
         keras.mixed_precision.set_global_policy("float32")
@@ -36,6 +38,11 @@ def test_the_backends_page_runs_and_prints_what_it_says():
         for line in code.splitlines()
         if line.lstrip().startswith("print(") and "  # " in line
     ]
+    return printed, expected
+
+
+def test_the_backends_page_runs_and_prints_what_it_says():
+    printed, expected = _printed_and_expected(PAGE)
     assert printed == expected
 
 
@@ -60,7 +67,7 @@ def _pages_without_tensorflow():
         page
         for page in pages
         if page != PAGE
-        and BLOCK.findall(page.read_text())
+        and any(not block.startswith("# fragment") for block in BLOCK.findall(page.read_text()))
         and not any(_USES_TENSORFLOW.search(block) for block in BLOCK.findall(page.read_text()))
     ]
 
@@ -73,22 +80,5 @@ def test_the_sweep_runs_the_pages_a_jax_user_would_run():
 @pytest.mark.slow
 @pytest.mark.parametrize("page", _pages_without_tensorflow(), ids=lambda p: str(p.relative_to(DOCS)))
 def test_every_page_without_tensorflow_runs_on_jax_and_prints_what_it_says(page):
-    blocks = [b for b in BLOCK.findall(page.read_text()) if not b.startswith("# fragment")]
-    namespace: dict = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
-    printed: list[str] = []
-    keras.utils.set_random_seed(0)
-    try:
-        for number, code in enumerate(blocks, 1):
-            output = io.StringIO()
-            with contextlib.redirect_stdout(output):
-                exec(compile(code, f"<{page.name} block {number}>", "exec"), namespace)
-            printed += [line.strip() for line in output.getvalue().splitlines() if line.strip()]
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
-    expected = [
-        line.split("  # ", 1)[1].strip()
-        for code in blocks
-        for line in code.splitlines()
-        if line.lstrip().startswith("print(") and "  # " in line
-    ]
+    printed, expected = _printed_and_expected(page)
     assert printed == expected

@@ -20,7 +20,12 @@ from mp_callbacks import _scale_state
 from mp_callbacks._backend import keras
 from mp_callbacks._gradient_check import check_gradients
 from mp_callbacks._keras_internals import optimizer_built_variables, optimizer_own_variables
-from mp_callbacks._optimizer_arguments import config_extras, overwrites_with_gradient, scaler_from_arguments
+from mp_callbacks._optimizer_arguments import (
+    optimizer_config,
+    optimizer_from_config,
+    overwrites_with_gradient,
+    scaler_from_arguments,
+)
 from mp_callbacks.backends.jax import step as jax_step
 from mp_callbacks.backends.jax.loss_scaler import LossScaler
 from mp_callbacks.backends.jax.model import scaler_from_argument
@@ -267,23 +272,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # ---------------------------------------------------- serialization
     def get_config(self) -> dict[str, Any]:
-        """Keras 3's layout (`name`, `inner_optimizer`, `initial_scale`,
-        `dynamic_growth_steps`), plus `dynamic=False` for a fixed scale and
-        any `LossScaler` setting that is not its default."""
-        config: dict[str, Any] = {
-            "name": self.name,
-            "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-            "initial_scale": self.initial_scale,
-            "dynamic_growth_steps": self.dynamic_growth_steps,
-        }
-        return {**config, **config_extras(self.scaler)}
+        """Keras 3's layout, plus `dynamic=False` for a fixed scale and any
+        `LossScaler` setting that is not its default."""
+        return optimizer_config(self)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> LossScaleOptimizer:
-        config = dict(config)
-        inner = keras.saving.deserialize_keras_object(
-            config.pop("inner_optimizer"), custom_objects=custom_objects
-        )
-        if not config.get("dynamic", True):
-            config.pop("dynamic_growth_steps", None)  # None in a fixed scale's config
-        return cls(inner, **config)
+        return optimizer_from_config(cls, config, custom_objects)

@@ -18,6 +18,7 @@ import jax
 
 from mp_callbacks import _scale_state
 from mp_callbacks._backend import keras
+from mp_callbacks._scale_config import ScaleConfig
 from mp_callbacks.errors import BackendNotSupportedError
 
 __all__ = ["LossScaler"]
@@ -51,7 +52,7 @@ def _variables(settings: _scale_state.ScaleSettings) -> dict[str, Any]:
     }
 
 
-class LossScaler:
+class LossScaler(ScaleConfig):
     """The loss scale of a JAX `MixedPrecisionModel`: dynamic by default,
     fixed with `LossScaler.fixed(s)`, none with `LossScaler.disabled()`
     (non-finite steps are skipped in every case).
@@ -107,15 +108,8 @@ class LossScaler:
         return scaler
 
     def _settle(self, settings: _scale_state.ScaleSettings, name: str, variables: dict[str, Any]) -> None:
-        self._settings = settings
+        self._take_settings(settings)
         self.name = name
-        self.initial_scale = settings.initial_scale
-        self.growth_interval = settings.growth_interval
-        self.growth_factor = settings.growth_factor
-        self.backoff_factor = settings.backoff_factor
-        self.min_scale = settings.min_scale
-        self.max_scale = settings.max_scale
-        self.hysteresis = settings.hysteresis
         self._variables = variables
         # The model's per-variable counters and their paths (see `count_gradients`).
         self._counts: Any = None
@@ -137,51 +131,10 @@ class LossScaler:
         self._counts, self._paths = counts, list(paths)
 
     # ------------------------------------------------------------------ config
-    @classmethod
-    def fixed(cls, scale: float, name: str = "fixed_loss_scale") -> LossScaler:
-        """A constant loss scale (still skips non-finite steps)."""
-        return cls(initial_scale=scale, min_scale=scale, max_scale=scale, name=name)
-
-    @classmethod
-    def disabled(cls, name: str = "no_loss_scale") -> LossScaler:
-        """No loss scaling: scale 1.0, non-finite steps still skipped."""
-        return cls.fixed(1.0, name=name)
-
-    @property
-    def settings(self) -> _scale_state.ScaleSettings:
-        """The checked settings the state machine runs with."""
-        return self._settings
-
-    @property
-    def is_dynamic(self) -> bool:
-        """True when the scale can change (`min_scale < max_scale`)."""
-        return self._settings.is_dynamic
-
-    @property
-    def scaling_active(self) -> bool:
-        """False when the scale is fixed at 1.0 (nothing is multiplied)."""
-        return self.is_dynamic or self.initial_scale != 1.0
-
     @property
     def scales_losses(self) -> bool:
         """Whether the model's step multiplies the loss by the scale."""
         return self.scaling_active
-
-    def get_config(self) -> dict[str, Any]:
-        return {
-            "initial_scale": self.initial_scale,
-            "growth_interval": self.growth_interval,
-            "growth_factor": self.growth_factor,
-            "backoff_factor": self.backoff_factor,
-            "min_scale": self.min_scale,
-            "max_scale": self.max_scale,
-            "hysteresis": self.hysteresis,
-            "name": self.name,
-        }
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> LossScaler:
-        return cls(**config)
 
     # ------------------------------------------------------------------- state
     def get_scale(self) -> float:
@@ -249,11 +202,3 @@ class LossScaler:
                 "(scale, unscale, check, keep_if_skipped, finish)."
             )
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    def __repr__(self) -> str:
-        if not self.is_dynamic:
-            return f"LossScaler.fixed({self.initial_scale!r})"
-        return (
-            f"LossScaler(initial_scale={self.initial_scale!r}, "
-            f"growth_interval={self.growth_interval}, hysteresis={self.hysteresis})"
-        )
