@@ -18,6 +18,7 @@ passed in, so the advice for any machine can be tested on any other.
 from __future__ import annotations
 
 import functools
+import importlib
 import platform
 import re
 import statistics
@@ -258,28 +259,6 @@ def _ratio_text(ratio: float, speed: PolicySpeed | None, policy: str) -> str:
 
 
 # ------------------------------------------------------------------ probe
-def _probe_step(compute_dtype: str, seed: int = 0):
-    """One training-like unit of work in `compute_dtype`: a 512x512 matrix
-    multiply and a 3x3 convolution (16x32x32x32), each forward and backward.
-    Small enough that an emulated dtype costs seconds, not minutes."""
-    generator = tf.random.Generator.from_seed(seed)
-    a = tf.cast(generator.normal((512, 512)), compute_dtype)
-    b = tf.cast(generator.normal((512, 512)), compute_dtype)
-    images = tf.cast(generator.normal((16, 32, 32, 32)), compute_dtype)
-    kernel = tf.cast(generator.normal((3, 3, 32, 32)) * 0.1, compute_dtype)
-
-    def step():
-        with tf.GradientTape() as tape:
-            tape.watch([b, kernel])
-            product = tf.matmul(a, b)
-            feature_map = tf.nn.conv2d(images, kernel, 1, "SAME")
-        gradients = tape.gradient([product, feature_map], [b, kernel])
-        # Reading one value waits for the device (GPU work is asynchronous).
-        return float(gradients[0][0, 0]) + float(gradients[1][0, 0, 0, 0])
-
-    return step
-
-
 def _timed(function) -> float:
     start = time.perf_counter()
     function()
@@ -473,43 +452,9 @@ def _add_warnings(report: HardwareReport) -> None:
 
 
 # ---------------------------------------------------------------- entries
-class _TensorFlowPlatform:
-    """What the advisor asks of the backend, on TensorFlow (JAX's answers:
-    `backends/jax/platform.py`)."""
-
-    probe_step = staticmethod(_probe_step)
-
-    @staticmethod
-    def version() -> str:
-        return str(tf.__version__)
-
-    @staticmethod
-    def default_device() -> str:
-        return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
-
-    @staticmethod
-    def gpus() -> list[tuple[str, tuple[int, ...] | None]]:
-        found = []
-        for device in tf.config.list_physical_devices("GPU"):
-            try:
-                details = tf.config.experimental.get_device_details(device)
-            except (ValueError, RuntimeError):
-                details = {}
-            cc = details.get("compute_capability")
-            found.append((details.get("device_name", device.name), tuple(cc) if cc else None))
-        return found
-
-    @staticmethod
-    def build_info() -> dict[str, Any]:
-        return dict(tf.sysconfig.get_build_info())
-
-
 def _platform() -> Any:
-    if BACKEND == "tensorflow":
-        return _TensorFlowPlatform
-    from mp_callbacks.backends.jax import platform as jax_platform
-
-    return jax_platform
+    """The backend's answers to what the advisor asks (`backends/<backend>/platform.py`)."""
+    return importlib.import_module(f"mp_callbacks.backends.{BACKEND}.platform")
 
 
 def _read_gpus() -> list[GPUInfo]:

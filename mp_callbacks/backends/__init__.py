@@ -2,8 +2,9 @@
 (`_scale_state`, `_gradient_check`, `_model_building`).
 
 TensorFlow's step lives in `mp_callbacks.model` and its helpers (gated
-writes, `tf.cond`); JAX's in `mp_callbacks.backends.jax` (one select per
-state leaf).
+writes, `tf.cond`), its hardware answers in `backends/tensorflow`; JAX's
+step, optimizer, scale and answers in `backends/jax` (one conditional over
+the state). Each backend's `platform.py` answers the same questions.
 """
 
 from mp_callbacks._backend import BACKEND, SUPPORTED_BACKENDS

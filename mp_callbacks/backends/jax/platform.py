@@ -1,6 +1,7 @@
 """What the hardware advisor asks of the backend, on JAX: the probe's unit
-of work, the default device, the GPUs and the build. `hardware.py` holds
-TensorFlow's answers; the advice itself is the same for both."""
+of work, the default device, the GPUs and the build.
+`backends/tensorflow/platform.py` holds TensorFlow's answers; the advice
+itself (`hardware.py`) is the same for both."""
 
 from __future__ import annotations
 
