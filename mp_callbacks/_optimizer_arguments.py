@@ -4,16 +4,16 @@ tf.keras's (`dynamic`, `initial_scale`, `dynamic_growth_steps`), Keras 3's
 (which refuse the base optimizer's arguments and unknown ones), and the
 `LossScaler` settings beyond both, or a ready `loss_scale`: checked in
 one place, so both backends refuse the same input with the same message.
-The backend's `LossScaler` class and its `loss_scale=` parser come in as
-arguments (the one parser of `loss_scale=` per backend stays the model's).
+The backend's `LossScaler` class comes in as an argument; `loss_scale=`
+goes through the one parser, `_loss_scale_argument`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from mp_callbacks._backend import keras
+from mp_callbacks._loss_scale_argument import scaler_from_argument
 from mp_callbacks._scale_state import check_fixed_scale
 from mp_callbacks._validation import check_int, fail
 from mp_callbacks.errors import UnsupportedArgumentError
@@ -85,7 +85,6 @@ def scaler_from_arguments(
     keywords: dict[str, Any],
     kwargs: dict[str, Any],
     scaler_class: type,
-    from_argument: Callable[..., Any],
 ) -> Any:
     """The `scaler_class` object that `LossScaleOptimizer`'s arguments
     describe; every refusal names the argument and the value."""
@@ -116,7 +115,6 @@ def scaler_from_arguments(
         loss_scale,
         keywords,
         scaler_class,
-        from_argument,
     )
 
 
@@ -127,7 +125,6 @@ def _scaler_from_settings(
     loss_scale: Any,
     keywords: dict[str, Any],
     scaler_class: Any,
-    from_argument: Callable[..., Any],
 ) -> Any:
     """The scale tf.keras's arguments (and the keywords) describe, refusing
     contradictions with a message naming them."""
@@ -164,9 +161,7 @@ def _scaler_from_settings(
                 "a LossScaler, its config dict, or a number in [2**-24, 2**64] (fixed scale)",
                 ValueError,
             )
-        if isinstance(loss_scale, dict):
-            return scaler_class.from_config(loss_scale)
-        result = from_argument(loss_scale, owner=OWNER)
+        result = scaler_from_argument(loss_scale, scaler_class, owner=OWNER)
         assert result is not None  # only "auto" gives None, refused above
         return result
     if dynamic:

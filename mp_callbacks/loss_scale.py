@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import numbers
 import threading
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -40,6 +39,7 @@ from mp_callbacks._gradient_check import (
     nonfinite_flag,
 )
 from mp_callbacks._keras_internals import strategy_supports_no_merge_call
+from mp_callbacks._loss_scale_argument import scaler_from_argument
 from mp_callbacks._scale_config import ScaleConfig
 from mp_callbacks._scale_state import (
     MAX_FIXED_LOSS_SCALE,
@@ -813,26 +813,7 @@ def __getattr__(name: str) -> Any:
     return renamed(name, __name__)
 
 
-AUTO = "auto"
-
-
 def loss_scale_from_argument(value: Any, owner: str = "MixedPrecisionModel") -> LossScaler | None:
-    """Turns a `loss_scale` argument into a LossScaler.
-
-    Accepts "auto" (returns None: the model decides at compile), None (no
-    scaling), a LossScaler, its config dict, or a number in
-    [2**-24, 2**64] (a fixed scale); anything else raises naming `loss_scale` and `owner`."""
-    requirement = "'auto', a LossScaler, a number in [2**-24, 2**64] (fixed scale) or None (no scaling)"
-    if isinstance(value, str):
-        if value != AUTO:
-            fail(owner, "loss_scale", value, requirement)
-        return None
-    if value is None:
-        return LossScaler.disabled()
-    if isinstance(value, LossScaler):
-        return value
-    if isinstance(value, dict) and value:
-        return keras.saving.deserialize_keras_object(value)
-    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
-        return LossScaler.fixed(check_fixed_scale(owner, "loss_scale", value))
-    fail(owner, "loss_scale", value, requirement, TypeError)
+    """A `loss_scale` argument as a LossScaler (None for "auto"): the one
+    parser, `_loss_scale_argument.scaler_from_argument`, with this backend's class."""
+    return scaler_from_argument(value, LossScaler, owner)

@@ -36,7 +36,7 @@ from mp_callbacks._optimizer_arguments import (
 )
 from mp_callbacks._unscale_stage import stage_of
 from mp_callbacks.errors import MixedPrecisionWarning
-from mp_callbacks.loss_scale import LossScaler, loss_scale_from_argument
+from mp_callbacks.loss_scale import LossScaler
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -177,7 +177,6 @@ class LossScaleOptimizer(DelegatedCheckpoint, keras.optimizers.LossScaleOptimize
             },
             kwargs,
             LossScaler,
-            loss_scale_from_argument,
         )
         # Checked after the arguments, so that a bad argument is named first.
         if getattr(inner_optimizer, "_mp_wrapped_by_loss_scale_optimizer", False):

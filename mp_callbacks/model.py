@@ -34,6 +34,7 @@ from mp_callbacks._keras_internals import (
     keras_default_method,
     loss_tracker,
 )
+from mp_callbacks._loss_scale_argument import AUTO
 from mp_callbacks._model_building import (
     LOG_KEYS,
     functional_variant,
@@ -42,7 +43,7 @@ from mp_callbacks._model_building import (
 )
 from mp_callbacks._step_record import StepRecord
 from mp_callbacks.errors import MixedPrecisionWarning
-from mp_callbacks.loss_scale import AUTO, LossScaler, loss_scale_from_argument
+from mp_callbacks.loss_scale import LossScaler, loss_scale_from_argument
 from mp_callbacks.loss_scale_optimizer import LossScaleOptimizer
 
 __all__ = ["LOG_KEYS", "MixedPrecisionModel"]

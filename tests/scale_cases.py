@@ -37,3 +37,22 @@ REFUSALS = [
         "`backoff_factor` must be a number in the open interval (0, 1); received backoff_factor=1.0.",
     ),
 ]
+
+_ACCEPTED = "'auto', a LossScaler, a number in [2**-24, 2**64] (fixed scale) or None (no scaling)"
+
+#: `loss_scale=` values refused (owner "Owner"), the error and its whole message.
+LOSS_SCALE_REFUSALS = [
+    ("dynamic", ValueError, f"Owner: `loss_scale` must be {_ACCEPTED}; received loss_scale='dynamic'."),
+    ([], TypeError, f"Owner: `loss_scale` must be {_ACCEPTED}; received loss_scale=[]."),
+    (
+        {"scale": 2.0},
+        TypeError,
+        f"Owner: `loss_scale` must be {_ACCEPTED}; received loss_scale={{'scale': 2.0}}.",
+    ),
+    (
+        0,
+        ValueError,
+        "Owner: `loss_scale` must be a number from 2**-24 (5.96e-08) to 2**64 "
+        "(1.84e+19) when it is a fixed scale; received loss_scale=0.",
+    ),
+]

@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from scale_cases import REFUSALS, UNREPRESENTABLE
+from scale_cases import LOSS_SCALE_REFUSALS, REFUSALS, UNREPRESENTABLE
 
 import mp_callbacks as mp
 from mp_callbacks import LossScaler
@@ -369,18 +369,7 @@ def test_state_variables_are_untrainable_single_copies_with_stable_names():
 def test_loss_scale_argument_errors_say_exactly_what_is_accepted():
     from mp_callbacks.loss_scale import loss_scale_from_argument
 
-    general = "'auto', a LossScaler, a number in [2**-24, 2**64] (fixed scale) or None (no scaling)"
-    cases = [
-        ("dynamic", ValueError, f"Owner: `loss_scale` must be {general}; received loss_scale='dynamic'."),
-        ([], TypeError, f"Owner: `loss_scale` must be {general}; received loss_scale=[]."),
-        (
-            0,
-            ValueError,
-            "Owner: `loss_scale` must be a number from 2**-24 (5.96e-08) to 2**64 "
-            "(1.84e+19) when it is a fixed scale; received loss_scale=0.",
-        ),
-    ]
-    for value, error, message in cases:
+    for value, error, message in LOSS_SCALE_REFUSALS:
         with pytest.raises(error) as caught:
             loss_scale_from_argument(value, owner="Owner")
         assert str(caught.value) == message

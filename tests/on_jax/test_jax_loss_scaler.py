@@ -7,7 +7,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-from scale_cases import REFUSALS, UNREPRESENTABLE
+from scale_cases import LOSS_SCALE_REFUSALS, REFUSALS, UNREPRESENTABLE
 
 import mp_callbacks as mp
 from mp_callbacks import LossScaler
@@ -41,6 +41,15 @@ def test_refusals_say_what_tensorflows_say(kwargs, message):
     with pytest.raises((ValueError, TypeError)) as caught:
         LossScaler(**kwargs)
     assert str(caught.value) == f"LossScaler: {message}"
+
+
+@pytest.mark.parametrize("value, error, message", LOSS_SCALE_REFUSALS)
+def test_loss_scale_arguments_are_refused_as_on_tensorflow(value, error, message):
+    from mp_callbacks.backends.jax.model import scaler_from_argument
+
+    with pytest.raises(error) as caught:
+        scaler_from_argument(value, owner="Owner")
+    assert str(caught.value) == message
 
 
 def test_config_fixed_and_disabled_are_tensorflows():

@@ -28,7 +28,6 @@ from mp_callbacks._optimizer_arguments import (
 )
 from mp_callbacks.backends.jax import step as jax_step
 from mp_callbacks.backends.jax.loss_scaler import LossScaler
-from mp_callbacks.backends.jax.model import scaler_from_argument
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -95,7 +94,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             },
             kwargs,
             LossScaler,
-            scaler_from_argument,
         )
         # Keras's LossScaleOptimizer.__init__ checks only its own arguments
         # and makes no state; the base optimizer's sets up the tracking.

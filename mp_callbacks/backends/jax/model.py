@@ -12,14 +12,13 @@ statistics, seed states, EMA copies) where the step is skipped.
 from __future__ import annotations
 
 import logging
-import numbers
 import threading
 from typing import Any
 
 import jax
 import numpy as np
 
-from mp_callbacks import _scale_state
+from mp_callbacks import _loss_scale_argument, _scale_state
 from mp_callbacks._backend import keras
 from mp_callbacks._keras_internals import (
     LossScaleSaveable,
@@ -30,13 +29,13 @@ from mp_callbacks._keras_internals import (
     keras_default_method,
     update_metrics_variables,
 )
+from mp_callbacks._loss_scale_argument import AUTO
 from mp_callbacks._model_building import (
     LOG_KEYS,
     functional_variant,
     warn_about_findings,
     wrap_model,
 )
-from mp_callbacks._validation import fail
 from mp_callbacks.backends.jax import step as jax_step
 from mp_callbacks.backends.jax.loss_scaler import LossScaler
 
@@ -45,10 +44,6 @@ __all__ = ["LOG_KEYS", "MixedPrecisionModel"]
 logger = logging.getLogger("mp_callbacks.model")
 ops = keras.ops
 
-AUTO = "auto"
-_REQUIREMENT = (
-    "'auto', a LossScaler (or its config), a number in [2**-24, 2**64] (fixed scale) or None (no scaling)"
-)
 _DYNAMIC = _scale_state.ScaleSettings.checked(2.0**15, 2000, 2.0, 0.5, 1.0, 2.0**24, 1)
 _DISABLED = _scale_state.ScaleSettings.checked(1.0, 1, 2.0, 0.5, 1.0, 1.0, 1)
 #: Per-epoch figures for the logs, kept beside the scale's state.
@@ -69,26 +64,9 @@ def _fixed(scale: float) -> _scale_state.ScaleSettings:
 
 
 def scaler_from_argument(value: Any, owner: str = "MixedPrecisionModel") -> LossScaler | None:
-    """A `loss_scale` argument as a `LossScaler` (None for "auto": compile
-    decides), with TensorFlow's meanings: None is no scaling, a number a
-    fixed scale, a dict a LossScaler's config."""
-    if isinstance(value, str):
-        if value != AUTO:
-            fail(owner, "loss_scale", value, _REQUIREMENT)
-        return None
-    if value is None:
-        return LossScaler.disabled()
-    if isinstance(value, LossScaler):
-        return value
-    if isinstance(value, dict) and value:
-        config = dict(value.get("config", value))
-        try:
-            return LossScaler(**{**_settings_dict(_DYNAMIC), **config})
-        except TypeError:
-            fail(owner, "loss_scale", value, _REQUIREMENT, TypeError)
-    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
-        return LossScaler.fixed(_scale_state.check_fixed_scale(owner, "loss_scale", value))
-    fail(owner, "loss_scale", value, _REQUIREMENT, TypeError)
+    """A `loss_scale` argument as a LossScaler (None for "auto"): the one
+    parser, `_loss_scale_argument.scaler_from_argument`, with this backend's class."""
+    return _loss_scale_argument.scaler_from_argument(value, LossScaler, owner)
 
 
 def _settings_dict(settings: _scale_state.ScaleSettings) -> dict[str, Any]:
