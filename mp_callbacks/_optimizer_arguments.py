@@ -180,32 +180,51 @@ def _scaler_from_settings(
     return scaler_class.fixed(check_fixed_scale(OWNER, "initial_scale", initial_scale))
 
 
-def optimizer_config(optimizer: Any) -> dict[str, Any]:
-    """Keras 3's layout (`name`, `inner_optimizer`, `initial_scale`,
-    `dynamic_growth_steps`), plus `dynamic=False` for a fixed scale and any
-    `LossScaler` setting that is not its default."""
-    config: dict[str, Any] = {
-        "name": optimizer.name,
-        "inner_optimizer": keras.saving.serialize_keras_object(optimizer.inner_optimizer),
-        "initial_scale": optimizer.initial_scale,
-        "dynamic_growth_steps": optimizer.dynamic_growth_steps,
-    }
-    scaler = optimizer.scaler
-    if not scaler.is_dynamic:
-        return {**config, "dynamic": False}
-    scale_config = scaler.get_config()
-    extras = {
-        key: scale_config[key] for key, default in EXTRA_SETTINGS.items() if scale_config[key] != default
-    }
-    return {**config, **extras}
+class ScaleOptimizerAttributes:
+    """What both backends' `LossScaleOptimizer` share over their `scaler`:
+    tf.keras's and Keras 3's scale attributes, and one config layout."""
 
+    scaler: Any
+    name: str
+    inner_optimizer: Any
 
-def optimizer_from_config(cls: type, config: dict[str, Any], custom_objects: Any = None) -> Any:
-    """`cls` rebuilt from `optimizer_config`'s layout (or Keras 3's)."""
-    config = dict(config)
-    inner = keras.saving.deserialize_keras_object(
-        config.pop("inner_optimizer"), custom_objects=custom_objects
-    )
-    if not config.get("dynamic", True):
-        config.pop("dynamic_growth_steps", None)  # None in a fixed scale's config
-    return cls(inner, **config)
+    @property
+    def dynamic(self) -> bool:
+        """True when the loss scale is dynamic."""
+        return bool(self.scaler.is_dynamic)
+
+    @property
+    def initial_scale(self) -> float:
+        return float(self.scaler.initial_scale)
+
+    @property
+    def dynamic_growth_steps(self) -> int | None:
+        return int(self.scaler.growth_interval) if self.dynamic else None
+
+    def get_config(self) -> dict[str, Any]:
+        """Keras 3's layout (`name`, `inner_optimizer`, `initial_scale`,
+        `dynamic_growth_steps`), plus `dynamic=False` for a fixed scale and
+        any `LossScaler` setting that is not its default."""
+        config: dict[str, Any] = {
+            "name": self.name,
+            "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+            "initial_scale": self.initial_scale,
+            "dynamic_growth_steps": self.dynamic_growth_steps,
+        }
+        if not self.dynamic:
+            return {**config, "dynamic": False}
+        scale_config = self.scaler.get_config()
+        extras = {
+            key: scale_config[key] for key, default in EXTRA_SETTINGS.items() if scale_config[key] != default
+        }
+        return {**config, **extras}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> Any:
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(
+            config.pop("inner_optimizer"), custom_objects=custom_objects
+        )
+        if not config.get("dynamic", True):
+            config.pop("dynamic_growth_steps", None)  # None in a fixed scale's config
+        return cls(inner, **config)  # type: ignore[call-arg]

@@ -28,9 +28,8 @@ from typing import Any
 from mp_callbacks._backend import keras, tf
 from mp_callbacks._keras_internals import DelegatedCheckpoint
 from mp_callbacks._optimizer_arguments import (
+    ScaleOptimizerAttributes,
     check_inner,
-    optimizer_config,
-    optimizer_from_config,
     overwrites_with_gradient,
     scaler_from_arguments,
 )
@@ -52,7 +51,7 @@ _SCALING_EXAMPLE = """
 
 
 @keras.saving.register_keras_serializable(package="mp_callbacks")
-class LossScaleOptimizer(DelegatedCheckpoint, keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizer(ScaleOptimizerAttributes, DelegatedCheckpoint, keras.optimizers.LossScaleOptimizer):
     """Wraps a Keras 3 optimizer with dynamic loss scaling, for both the
     tf.keras and the Keras 3 ways of using one.
 
@@ -227,19 +226,6 @@ class LossScaleOptimizer(DelegatedCheckpoint, keras.optimizers.LossScaleOptimize
         self.__dict__["_mp_delegating"] = True
 
     # ------------------------------------------- tf.keras's and Keras 3's attributes
-    @property
-    def dynamic(self) -> bool:
-        """True when the loss scale is dynamic."""
-        return self.scaler.is_dynamic
-
-    @property
-    def initial_scale(self) -> float:
-        return self.scaler.initial_scale
-
-    @property
-    def dynamic_growth_steps(self) -> int | None:
-        return self.scaler.growth_interval if self.dynamic else None
-
     @property
     def dynamic_counter(self) -> Any:
         """Finite steps since the last growth or overflow (None when fixed)."""
@@ -439,14 +425,6 @@ class LossScaleOptimizer(DelegatedCheckpoint, keras.optimizers.LossScaleOptimize
         self.inner_optimizer.finalize_variable_values(var_list)
 
     # ---------------------------------------------------- serialization
-    def get_config(self) -> dict[str, Any]:
-        """Keras 3's layout, plus `dynamic=False` for a fixed scale and any
-        `LossScaler` setting that is not its default."""
-        return optimizer_config(self)
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> LossScaleOptimizer:
-        return optimizer_from_config(cls, config, custom_objects)
 
     def __dir__(self) -> list[str]:
         # Keras's weights files walk dir(): a MixedPrecisionModel's

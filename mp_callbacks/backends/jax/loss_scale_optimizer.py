@@ -21,8 +21,7 @@ from mp_callbacks._backend import keras
 from mp_callbacks._gradient_check import check_gradients
 from mp_callbacks._keras_internals import optimizer_built_variables, optimizer_own_variables
 from mp_callbacks._optimizer_arguments import (
-    optimizer_config,
-    optimizer_from_config,
+    ScaleOptimizerAttributes,
     overwrites_with_gradient,
     scaler_from_arguments,
 )
@@ -35,7 +34,7 @@ ops = keras.ops
 
 
 @keras.saving.register_keras_serializable(package="mp_callbacks")
-class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizer(ScaleOptimizerAttributes, keras.optimizers.LossScaleOptimizer):
     """Keras's `LossScaleOptimizer` on the `LossScaler` state machine, on JAX.
 
     Takes Keras 3's arguments (`initial_scale`, `dynamic_growth_steps`),
@@ -106,19 +105,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._mp_unscaled_by_hand = False
 
     # ------------------------------------------- Keras 3's and tf.keras's attributes
-    @property
-    def dynamic(self) -> bool:
-        """True when the loss scale is dynamic."""
-        return self.scaler.is_dynamic
-
-    @property
-    def initial_scale(self) -> float:
-        return self.scaler.initial_scale
-
-    @property
-    def dynamic_growth_steps(self) -> int | None:
-        return self.scaler.growth_interval if self.dynamic else None
-
     @property
     def step_counter(self) -> Any:
         """Keras 3's name for the finite-step counter."""
@@ -269,11 +255,3 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return unscaled
 
     # ---------------------------------------------------- serialization
-    def get_config(self) -> dict[str, Any]:
-        """Keras 3's layout, plus `dynamic=False` for a fixed scale and any
-        `LossScaler` setting that is not its default."""
-        return optimizer_config(self)
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> LossScaleOptimizer:
-        return optimizer_from_config(cls, config, custom_objects)
