@@ -290,6 +290,21 @@ def optimizer_built_variables(optimizer: Any) -> list[Any]:
     return list(getattr(optimizer, "_trainable_variables", None) or [])
 
 
+def recording_stateless_scope(mapping: list[tuple[Any, Any]], record: Callable[[Any, Any], Any]) -> Any:
+    """A `keras.StatelessScope` over `mapping` in which each
+    `variable.assign(value)` keeps `record(variable, value)` instead of
+    `value`; later reads in the scope see what was kept. Keras hands every
+    write in a stateless scope to `StatelessScope.add_update`, which this
+    overrides."""
+
+    class RecordingScope(keras.StatelessScope):
+        def add_update(self, update: tuple[Any, Any]) -> None:
+            variable, value = update
+            super().add_update((variable, record(variable, value)))
+
+    return RecordingScope(state_mapping=mapping)
+
+
 def optimizer_own_variables(optimizer: Any) -> list[Any]:
     """The variables an optimizer made itself (`Optimizer._variables`: its
     `iterations` and what its `add_variable` made, not a wrapped optimizer's)."""
@@ -308,7 +323,7 @@ def replaced_on_instance(obj: Any, replacements: dict[str, Any]) -> Iterator[Non
 
     The one place mp_callbacks replaces something on a user's object, and
     only where there is no other way: to gate every write an optimizer's
-    own update makes without a `tf.cond` (`_gated_update`), to see each
+    own update makes without a `tf.cond` (`backends.tensorflow.gated_update`), to see each
     layer's inputs and outputs while a batch is replayed (`diagnosis`), and
     to see the ids a custom layer's lookups get (`model_checks`).
     """
@@ -461,6 +476,15 @@ def _built_for_its_variables() -> bool:
     return [v.shape for v in optimizer_built_variables(optimizer)] == [(3, 2)]
 
 
+def _stateless_writes_recorded() -> bool:
+    variable = keras.Variable(np.zeros((2,), "float32"))
+    with recording_stateless_scope([(variable, np.ones((2,), "float32"))], lambda v, x: x * 3.0) as scope:
+        variable.assign(variable + 1.0)
+        seen = np.asarray(keras.ops.convert_to_numpy(variable.value))
+    kept = np.asarray(keras.ops.convert_to_numpy(scope.get_current_value(variable)))
+    return bool(np.array_equal(kept, [6.0, 6.0]) and np.array_equal(seen, kept))
+
+
 def _object_registration() -> bool:
     from keras.src.saving import object_registration
 
@@ -470,7 +494,7 @@ def _object_registration() -> bool:
 INTERNALS = (
     Internal(
         "tf.__internal__.distribute.strategy_supports_no_merge_call",
-        "_skip.py, loss_scale.py (where the skip and the state update run under a strategy)",
+        "backends/tensorflow/skip.py, backends/tensorflow/step.py (where the skip and the state update run under a strategy)",
         lambda: isinstance(strategy_supports_no_merge_call(), bool),
     ),
     Internal(
@@ -480,14 +504,20 @@ INTERNALS = (
     ),
     Internal(
         "Optimizer._use_weight_decay(variable)",
-        "_gated_update.py (gated weight decay)",
+        "backends/tensorflow/gated_update.py (gated weight decay)",
         lambda: _has(keras.optimizers.AdamW(), "_use_weight_decay"),
     ),
     Internal(
         "Optimizer._trainable_variables",
-        "_gated_update.py (the zero buffer is as large as the largest variable), "
-        "backends/jax/loss_scale_optimizer.py (which gradient is whose)",
+        "backends/tensorflow/gated_update.py (the zero buffer is as large as the largest variable), "
+        "backends/jax/loss_scale_optimizer.py (which gradient is whose), "
+        "backends/jax/step.py (the state an update writes)",
         lambda: _built_for_its_variables(),
+    ),
+    Internal(
+        "StatelessScope.add_update (every variable.assign in a stateless scope goes through it)",
+        "backends/jax/step.py (an optimizer's writes, each kept only where the step applies)",
+        _stateless_writes_recorded,
     ),
     Internal(
         "Optimizer._variables",
@@ -587,7 +617,7 @@ INTERNALS = (
     ),
     Internal(
         "keras.src.backend.tensorflow.optimizer.TFOptimizer (_apply_weight_decay, assign*)",
-        "_gated_update.py (gating Keras's weight decay and writes)",
+        "backends/tensorflow/gated_update.py (gating Keras's weight decay and writes)",
         _tf_weight_decay,
     ),
 )

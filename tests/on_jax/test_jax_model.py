@@ -420,12 +420,10 @@ class _ScaledOwnStep(mp.MixedPrecisionModel):
         grads = scaling.unscale(grads)
         outcome = scaling.check(grads, loss)
         scaling.hand_over_if_skipped(outcome, non_trainable, (x, y, None), self.keep_skipped_batch)
-        new_trainable, new_optimizer_vars = self.optimizer.stateless_apply(optimizer_vars, grads, trainable)
-        trainable, optimizer_vars, non_trainable = scaling.keep_if_skipped(
-            outcome,
-            (list(new_trainable), list(new_optimizer_vars), list(new_non_trainable)),
-            (list(trainable), list(optimizer_vars), list(non_trainable)),
+        trainable, optimizer_vars = scaling.apply_if_finite(
+            outcome, self.optimizer, optimizer_vars, grads, trainable
         )
+        non_trainable = scaling.keep_if_skipped(outcome, list(new_non_trainable), list(non_trainable))
         non_trainable, logs = scaling.finish(outcome, non_trainable, x.shape[0])
         return {"loss": loss, **logs}, (trainable, non_trainable, optimizer_vars, metrics_vars)
 

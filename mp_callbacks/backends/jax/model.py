@@ -423,12 +423,10 @@ class MixedPrecisionModel(keras.Model):
                 "under keras.distribution each device holds only its part of the batch, "
                 "so no single batch is kept to replay"
             )
-        new_trainable, new_optimizer_vars = self.optimizer.stateless_apply(optimizer_vars, grads, trainable)
-        trainable, optimizer_vars, non_trainable = scaling.keep_if_skipped(
-            outcome,
-            (list(new_trainable), list(new_optimizer_vars), list(new_non_trainable)),
-            (list(trainable), list(optimizer_vars), list(non_trainable)),
+        trainable, optimizer_vars = scaling.apply_if_finite(
+            outcome, self.optimizer, optimizer_vars, grads, trainable
         )
+        non_trainable = scaling.keep_if_skipped(outcome, list(new_non_trainable), list(non_trainable))
         batch_size = next(t for t in keras.tree.flatten(x) if t is not None).shape[0]
         non_trainable, scale_logs = scaling.finish(outcome, non_trainable, batch_size)
         logs, metrics_vars = update_metrics_variables(self, metrics_vars, loss, x, y, y_pred, sample_weight)
