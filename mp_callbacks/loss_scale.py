@@ -7,10 +7,12 @@ skipped and the scale may back off. `MixedPrecisionModel.train_step` uses it,
 your own `train_step` can (`scale`, then `step`), and it works alone in a
 hand-written `tf.function` loop, as PyTorch's `GradScaler` does.
 
-It is assembled from three parts, each with one contract: the state machine
-(`mp_callbacks._scale_state`: settings, transitions, checked restore), the
-gradient check and the decision (`mp_callbacks._gradient_check`), and the
-mechanism that applies or skips an update (`mp_callbacks._skip`).
+This module is the public object: the scale's state in variables, `scale`
+and `unscale`, the counters the callbacks read, save and restore. The step
+it takes is TensorFlow's step module (`mp_callbacks.backends.tensorflow.step`:
+check once, decide once, apply or skip, update the state), on the
+backend-neutral state machine (`mp_callbacks._scale_state`) and gradient
+check (`mp_callbacks._gradient_check`).
 
 A fixed scale is the degenerate machine with `min_scale == max_scale`
 (`LossScaler.fixed(128.0)`); no scaling is the fixed scale 1.0
@@ -22,9 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,12 +34,8 @@ from mp_callbacks import _scale_state
 from mp_callbacks._backend import keras, tf
 from mp_callbacks._gradient_check import (
     CheckedGradients,
-    applied_norm,
     check_gradients,
-    decision,
-    nonfinite_flag,
 )
-from mp_callbacks._keras_internals import strategy_supports_no_merge_call
 from mp_callbacks._loss_scale_argument import scaler_from_argument
 from mp_callbacks._scale_config import ScaleConfig
 from mp_callbacks._scale_state import (
@@ -49,11 +46,10 @@ from mp_callbacks._scale_state import (
     check_fixed_scale,
     check_scale,
 )
-from mp_callbacks._skip import apply_or_skip, restore_if_skipped
-from mp_callbacks._step_record import StepRecord
-from mp_callbacks._unscale_stage import clear_stage, stage_of
-from mp_callbacks._validation import FLOAT32_MAX, fail
-from mp_callbacks.errors import MixedPrecisionWarning
+from mp_callbacks._validation import FLOAT32_MAX
+from mp_callbacks.backends.tensorflow import step as tf_step
+from mp_callbacks.backends.tensorflow.step_record import StepRecord
+from mp_callbacks.backends.tensorflow.unscale_stage import stage_of
 
 __all__ = [
     "MAX_FIXED_LOSS_SCALE",
@@ -71,23 +67,6 @@ _ONLY_FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
 # The hot-path methods branch only on Python values; AutoGraph has nothing
 # to convert there, and some TensorFlow releases mis-convert them.
 _no_autograph = tf.autograph.experimental.do_not_convert
-_OWNER = "LossScaler"
-_THREAD_STATE = threading.local()
-
-
-def _per_thread(name: str) -> dict[int, Any]:
-    """A dict of this thread's own, for trace-time state keyed by object id:
-    MirroredStrategy traces each replica's step in a thread of its own."""
-    table = getattr(_THREAD_STATE, name, None)
-    if table is None:
-        table = {}
-        setattr(_THREAD_STATE, name, table)
-    return table
-
-
-def _current_graph() -> Any:
-    """The graph being traced, or None when executing eagerly."""
-    return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
 
 
 class _Untracked:
@@ -253,42 +232,16 @@ class LossScaler(ScaleConfig, tf.Module):
     @property
     def _record(self) -> StepRecord | None:
         """The training step being traced, when a MixedPrecisionModel records it."""
-        return _per_thread("records").get(id(self))
+        return tf_step.record_of(self)
 
-    @property
-    def _pending(self) -> list[tuple[list[Any], tf.Tensor, tf.Tensor | None]]:
-        """Applies awaiting one update() (variables, flags, and the decision
-        when it needed no all-reduce), of the graph being traced: entries
-        left by a trace that failed belong to no step and are dropped."""
-        graph = _current_graph()
-        table = _per_thread("pending")
-        entry = table.get(id(self))
-        if entry is None or entry[0] is not graph:
-            entry = table[id(self)] = (graph, [])
-        return entry[1]
-
-    @contextlib.contextmanager
-    def recording(self) -> Iterator[StepRecord]:
-        """Records one training step (see `mp_callbacks._step_record`):
+    def recording(self) -> contextlib.AbstractContextManager[StepRecord]:
+        """Records one training step (see `backends.tensorflow.step_record`):
         while open, applies defer the state update to `finish_step`."""
-        records = _per_thread("records")
-        outer = records.get(id(self))
-        records[id(self)] = record = StepRecord()
-        try:
-            yield record
-        finally:
-            records[id(self)] = outer
-            if outer is None:
-                # A step that raised (a bug in its metric code, Ctrl-C) left
-                # its applies pending: nothing of it may reach the next step.
-                _per_thread("pending").pop(id(self), None)
-                clear_stage(self)
+        return tf_step.recording(self)
 
     def finish_step(self, record: StepRecord) -> None:
         """Advances the state machine once for the recorded step's applies."""
-        if self._pending:
-            self.update()
-        self._scaling_seen = record.loss_scaled
+        tf_step.finish_step(self, record)
 
     @property
     def scales_losses(self) -> bool:
@@ -461,79 +414,9 @@ class LossScaler(ScaleConfig, tf.Module):
         variables = list(variables)
         # Unscaled gradients, by hand or otherwise: an unscale() of them is used up.
         stage_of(self).take_unscaled(variables)
-        return self._apply_unscaled(
-            optimizer,
-            grads,
-            variables,
-            loss=loss,
-            restore_on_skip=restore_on_skip,
-            update=update,
-            checked=checked,
+        return tf_step.apply_unscaled(
+            self, optimizer, grads, variables, loss, restore_on_skip, update_now=update, checked=checked
         )
-
-    def _apply_unscaled(
-        self,
-        optimizer: keras.optimizers.Optimizer,
-        grads: Iterable[Any],
-        variables: Iterable[Any],
-        loss: Any = None,
-        restore_on_skip: Sequence[tuple[Any, Any]] = (),
-        update: bool | None = None,
-        checked: CheckedGradients | None = None,
-    ) -> tf.Tensor:
-        """`apply_gradients` without touching the unscale stage: the one
-        path by which every apply reaches the decision."""
-        grads = list(grads)
-        variables = list(variables)
-        if len(grads) != len(variables):
-            raise ValueError(
-                f"LossScaler.apply_gradients: got {len(grads)} gradients for {len(variables)} variables."
-            )
-        optimizer = self._plain_optimizer(optimizer)
-        record = self._record
-        if loss is None and record is not None and record.losses:
-            loss = list(record.losses)
-        if update is None:
-            update = record is None
-        known = {id(v) for v in self._built.items}
-        self.build(self._built.items + [v for v in variables if id(v) not in known])
-        if not optimizer.built:
-            optimizer.build(variables)
-
-        if checked is None:
-            checked = check_gradients(grads)
-        loss_flag = nonfinite_flag(loss)
-        flags = tf.concat([checked.flags, [loss_flag]], axis=0)
-        replica_context = tf.distribute.get_replica_context()
-        if replica_context is None:
-            raise RuntimeError(
-                "LossScaler.apply_gradients must run in a replica "
-                "context: call it inside `strategy.run(...)`."
-            )
-        replicas = replica_context.num_replicas_in_sync
-        if replicas > 1:
-            # One global decision: every replica sees every replica's flags.
-            flags = replica_context.all_reduce(tf.distribute.ReduceOp.SUM, flags)
-        applied = decision(checked, flags, replicas)
-        if record is not None:
-            record.note_apply(applied, applied_norm(checked, grads, variables))
-        apply_or_skip(
-            optimizer,
-            grads,
-            variables,
-            applied,
-            restore_on_skip=restore_on_skip,
-            # Computed from the loss, so whatever waits for it comes after
-            # every read of the forward pass.
-            forward_done=None if loss is None else tf.equal(loss_flag, 0),
-        )
-        entry = (variables, flags, applied if replicas == 1 else None)
-        if update:
-            self._advance([entry])
-            clear_stage(self)  # the step ends here
-        else:
-            self._pending.append(entry)
-        return applied
 
     @_no_autograph
     def step(
@@ -564,58 +447,7 @@ class LossScaler(ScaleConfig, tf.Module):
         variables = list(variables)
         if stage_of(self).take_unscaled(variables) is None:
             grads = self._unscale(grads, variables)
-        return self._apply_unscaled(optimizer, grads, variables, loss=loss, update=update)
-
-    def _plain_optimizer(self, optimizer: Any) -> Any:
-        """The optimizer that applies the gradients: never one that would
-        unscale them again."""
-        # mp_callbacks' LossScaleOptimizer is the Keras one that holds a
-        # LossScaler (told apart so, not by importing it: it imports this).
-        ours = isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and isinstance(
-            getattr(optimizer, "scaler", None), LossScaler
-        )
-        if ours:
-            if optimizer.scaler is not self:
-                self._warn_once(
-                    optimizer,
-                    (
-                        f"LossScaler.apply_gradients got a LossScaleOptimizer with its own loss "
-                        f"scale ({optimizer.scaler!r}); this one decides the step and its "
-                        "inner optimizer applies it, so that scale does not move."
-                    ),
-                )
-            optimizer = optimizer.inner_optimizer
-        elif isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            self._warn_once(
-                optimizer,
-                (
-                    "LossScaler.apply_gradients got Keras's LossScaleOptimizer, which "
-                    "compile() puts around the optimizer under mixed_float16 and which would "
-                    "unscale these gradients a second time. Its inner optimizer applies them "
-                    "instead. Compile with auto_scale_loss=False (or use MixedPrecisionModel) "
-                    "to pass the optimizer itself."
-                ),
-            )
-            optimizer = optimizer.inner_optimizer
-        if not isinstance(optimizer, keras.optimizers.Optimizer):
-            fail(_OWNER, "optimizer", optimizer, "a Keras optimizer", TypeError)
-        factor = getattr(optimizer, "loss_scale_factor", None)
-        if factor is not None:
-            self._warn_once(
-                optimizer,
-                (
-                    f"LossScaler.apply_gradients: the optimizer's loss_scale_factor={factor!r} "
-                    "is cleared: the gradients are unscaled by this LossScaler, and Keras "
-                    "would divide them by the factor again."
-                ),
-            )
-            optimizer.loss_scale_factor = None
-        return optimizer
-
-    def _warn_once(self, about: Any, message: str) -> None:
-        if id(about) not in self._warned_optimizers:
-            self._warned_optimizers.add(id(about))
-            warnings.warn(message, MixedPrecisionWarning, stacklevel=4)
+        return tf_step.apply_unscaled(self, optimizer, grads, variables, loss=loss, update_now=update)
 
     @_no_autograph
     def update(self) -> None:
@@ -631,78 +463,11 @@ class LossScaler(ScaleConfig, tf.Module):
         Raises:
             RuntimeError: no `apply_gradients(..., update=False)` is pending.
         """
-        if not self._pending:
-            raise RuntimeError(
-                "LossScaler.update() was called without a pending step: call "
-                "apply_gradients(optimizer, grads, variables, update=False) for each "
-                "optimizer first, then update() once."
-            )
-        pending = list(self._pending)
-        self._pending.clear()
-        self._advance(pending)
-        clear_stage(self)
+        tf_step.update(self)
 
-    def _advance(self, entries: list[tuple[list[Any], tf.Tensor, tf.Tensor | None]]) -> None:
-        """One transition for a step made of `entries` (variables, flags,
-        and the decision when it took no all-reduce)."""
-        if len(entries) == 1:
-            variables, flags, applied = entries[0]
-            flags = self._full_flags(variables, flags)
-        else:
-            flags, applied = self._combined_flags(entries), None
-        replica_context = tf.distribute.get_replica_context()
-        if replica_context is None or not tf.distribute.has_strategy() or strategy_supports_no_merge_call():
-            self._update_state(flags, applied)
-            return
-        replica_context.merge_call(
-            lambda distribution, flags: self._update_state(distribution.experimental_local_results(flags)[0]),
-            args=(flags,),
-        )
-
-    def _combined_flags(self, entries: list[tuple[list[Any], tf.Tensor, Any]]) -> tf.Tensor:
-        """One flag per built variable (the worst over the entries), then
-        the worst loss flag."""
-        position = {id(v): i for i, v in enumerate(self._built.items)}
-        per_variable = [tf.constant(0, tf.int64)] * len(position)
-        for variables, flags, _ in entries:
-            for i, variable in enumerate(variables):
-                per_variable[position[id(variable)]] = tf.maximum(
-                    per_variable[position[id(variable)]], flags[i]
-                )
-        loss_flags = [flags[-1] for _, flags, _ in entries]
-        return tf.stack(per_variable + [tf.reduce_max(tf.stack(loss_flags))])
-
-    def _full_flags(self, variables: list[Any], flags: tf.Tensor) -> tf.Tensor:
-        """`flags` (one per variable, then the loss) laid out over every
-        built variable, when the step covered only some of them."""
-        if len(variables) == len(self._built.items) and all(
-            a is b for a, b in zip(variables, self._built.items)
-        ):
-            return flags
-        position = {id(v): i for i, v in enumerate(variables)}
-        zero = tf.constant(0, tf.int64)
-        return tf.stack(
-            [flags[position[id(v)]] if id(v) in position else zero for v in self._built.items] + [flags[-1]]
-        )
-
-    @_no_autograph
     def _update_state(self, flags: tf.Tensor, applied: tf.Tensor | None = None) -> None:
-        """One transition of the state machine (`_scale_state.transition`);
-        `flags` are all-reduced, and `applied` is the step's decision (taken
-        from the flags when not given)."""
-        if applied is None:
-            applied = decision(None, flags)
-        before = {name: variable.read_value() for name, variable in self._state.items()}
-        after = _scale_state.transition(self._settings, before, flags, applied)
-        for name, variable in self._state.items():
-            variable.assign(after[name])
-        assert self._nonfinite_counts is not None  # built by apply_gradients
-        self._nonfinite_counts.assign_add(after["nonfinite_counts"])
-
-    @_no_autograph
-    def _restore_if_skipped(self, applied: tf.Tensor, pairs: Sequence[tuple[Any, Any]]) -> None:
-        """Assigns each `(variable, value)` back when `applied` is False."""
-        restore_if_skipped(applied, pairs)
+        """One transition of the state machine (`backends.tensorflow.step.update_state`)."""
+        tf_step.update_state(self, flags, applied)
 
     # ------------------------------------------------------ host-side reads
     def get_scale(self) -> float:

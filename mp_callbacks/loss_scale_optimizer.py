@@ -33,7 +33,8 @@ from mp_callbacks._optimizer_arguments import (
     overwrites_with_gradient,
     scaler_from_arguments,
 )
-from mp_callbacks._unscale_stage import stage_of
+from mp_callbacks.backends.tensorflow import step as tf_step
+from mp_callbacks.backends.tensorflow.unscale_stage import stage_of
 from mp_callbacks.errors import MixedPrecisionWarning
 from mp_callbacks.loss_scale import LossScaler
 
@@ -323,7 +324,7 @@ class LossScaleOptimizer(ScaleOptimizerAttributes, DelegatedCheckpoint, keras.op
                 g * tf.cast(scale, g.dtype) if g is not None and overwrites_with_gradient(v) else g
                 for g, v in zip(grads, variables)
             ]
-        loss_scale._apply_unscaled(self.inner_optimizer, grads, variables)
+        tf_step.apply_unscaled(loss_scale, self.inner_optimizer, grads, variables)
 
     def _gradients_are_scaled(self) -> bool:
         record = self.scaler._record

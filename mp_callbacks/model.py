@@ -7,7 +7,7 @@ logs carry `loss_scale`, `grad_norm` and `skipped_steps`.
 
 A subclass's own `train_step` is kept just as safe: the model trains
 through a `LossScaleOptimizer` sharing its loss scale, every training step
-is recorded (`mp_callbacks._step_record`), the scale moves once at its end,
+is recorded (`mp_callbacks.backends.tensorflow.step_record`), the scale moves once at its end,
 and the step is reported in the same log keys.
 """
 
@@ -20,7 +20,6 @@ from collections.abc import Callable
 from typing import Any
 
 from mp_callbacks._backend import keras, tf
-from mp_callbacks._forward_writes import written_variables
 from mp_callbacks._keras_internals import (
     LossScaleSaveable,
     MultiWorkerSymbolicBuild,
@@ -41,7 +40,9 @@ from mp_callbacks._model_building import (
     warn_about_findings,
     wrap_model,
 )
-from mp_callbacks._step_record import StepRecord
+from mp_callbacks.backends.tensorflow import step as tf_step
+from mp_callbacks.backends.tensorflow.forward_writes import written_variables
+from mp_callbacks.backends.tensorflow.step_record import StepRecord
 from mp_callbacks.errors import MixedPrecisionWarning
 from mp_callbacks.loss_scale import LossScaler, loss_scale_from_argument
 from mp_callbacks.loss_scale_optimizer import LossScaleOptimizer
@@ -577,13 +578,8 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
                     f"under a tf.distribute strategy each of the {num_replicas} replicas holds only "
                     "its own part of the batch, so no single batch is kept to replay"
                 )
-            loss_scale._apply_unscaled(
-                self.optimizer,
-                grads,
-                variables,
-                loss=loss,
-                restore_on_skip=restore,
-                checked=checked,
+            tf_step.apply_unscaled(
+                loss_scale, self.optimizer, grads, variables, loss, restore_on_skip=restore, checked=checked
             )
         return dict(self.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
 
@@ -629,7 +625,7 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
             return logs
         applied = record.all_applied()
         if forward_state:
-            loss_scale._restore_if_skipped(applied, forward_state)
+            tf_step.restore_if_skipped(applied, forward_state)
         signals = self._epoch_signals
         signals.grad_norm.update_state(
             tf.where(applied, record.global_norm(), 0.0),

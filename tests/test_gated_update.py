@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mp_callbacks import _gated_update
-from mp_callbacks._gated_update import gated_apply
+from mp_callbacks.backends.tensorflow import gated_update as _gated_update
+from mp_callbacks.backends.tensorflow.gated_update import gated_apply
 
 OPTIMIZERS = {
     "SGD": lambda: keras.optimizers.SGD(0.1),

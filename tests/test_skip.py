@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mp_callbacks._skip import apply_or_skip, restore_if_skipped
+from mp_callbacks.backends.tensorflow.skip import apply_or_skip, restore_if_skipped
 
 OPTIMIZERS = {
     "SGD-momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),

@@ -111,6 +111,48 @@ def test_code_lines_leave_out_the_docstring():
     assert _code_lines(function) == 2
 
 
+def _functions(tree: ast.AST) -> dict[str, ast.FunctionDef]:
+    return {n.name: n for n in ast.iter_child_nodes(tree) if isinstance(n, ast.FunctionDef)}
+
+
+def _calls(function: ast.FunctionDef) -> list[tuple[int, str]]:
+    """(line, name) of every call in `function`, `f(...)` and `x.f(...)`."""
+    return sorted(
+        (node.lineno, getattr(node.func, "id", None) or getattr(node.func, "attr", ""))
+        for node in ast.walk(function)
+        if isinstance(node, ast.Call)
+    )
+
+
+def test_the_tensorflow_loss_scaler_hands_its_step_to_the_step_module():
+    """`LossScaler` is the public scale object: its step methods are a few
+    lines each that call `backends/tensorflow/step.py`; the step's own
+    work is not in the class."""
+    tree = ast.parse((PACKAGE / "loss_scale.py").read_text())
+    scaler = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LossScaler")
+    methods = _functions(scaler)
+    for name in ("apply_gradients", "step", "update", "recording", "finish_step", "_update_state"):
+        handed = [
+            node
+            for node in ast.walk(methods[name])
+            if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "tf_step"
+        ]
+        assert handed and _code_lines(methods[name]) <= 6, name
+    moved = {"_apply_unscaled", "_advance", "_plain_optimizer", "_combined_flags", "_full_flags", "_pending"}
+    assert not moved & set(methods)
+
+
+def test_the_tensorflow_step_reads_top_to_bottom():
+    """Check once, decide once, apply or skip, update the state: in that
+    order in `apply_unscaled`, each once."""
+    step = _functions(ast.parse((PACKAGE / "backends" / "tensorflow" / "step.py").read_text()))
+    calls = _calls(step["apply_unscaled"])
+    order = ["check_gradients", "decision", "apply_or_skip", "_advance"]
+    lines = [[line for line, name in calls if name == wanted] for wanted in order]
+    assert [len(found) for found in lines] == [1, 1, 1, 1], dict(zip(order, lines))
+    assert [found[0] for found in lines] == sorted(found[0] for found in lines)
+
+
 def _defined_attributes() -> set[str]:
     """Every attribute name the library itself defines: methods, class
     attributes, `self.x = ...` and `object.__setattr__(self, "x", ...)`."""

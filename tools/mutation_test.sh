@@ -15,7 +15,7 @@
 # logging-only branches by what they do; [tool:mutation_test] names the
 # functions not mutated. "No tests" mutants count as survivors.
 set -euo pipefail
-module="${1:?usage: tools/mutation_test.sh MODULE [MUTANT_GLOB] (MODULE: a file of mp_callbacks/, such as loss_scale or _gated_update)}"
+module="${1:?usage: tools/mutation_test.sh MODULE [MUTANT_GLOB] (MODULE: a file of mp_callbacks/ without .py, such as loss_scale or backends/tensorflow/gated_update)}"
 glob="${2:-}"
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 [ -f "$repo/mp_callbacks/$module.py" ] || { echo "tools/mutation_test.sh: error: no module mp_callbacks/$module.py" >&2; exit 2; }
@@ -31,7 +31,7 @@ names = set()
 for node in tree.body:
     if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
         names = {elt.value for elt in node.value.elts}
-stem = module.lstrip("_")
+stem = module.split("/")[-1].lstrip("_")
 found = []
 for path in sorted(pathlib.Path("tests").glob("test_*.py")):
     used = set()
@@ -42,7 +42,7 @@ for path in sorted(pathlib.Path("tests").glob("test_*.py")):
             used.add(node.attr)
         elif isinstance(node, ast.alias):
             used.update(node.name.split("."))
-    if path.name.startswith(f"test_{stem}") or module in used or used & names:
+    if path.name.startswith(f"test_{stem}") or module.split("/")[-1] in used or used & names:
         found.append(str(path))
 print(" ".join(found))
 PY
@@ -105,7 +105,7 @@ text = re.sub(r"pytest_add_cli_args_test_selection =\n(    .*\n)+",
               "pytest_add_cli_args_test_selection =\n" + "".join(f"    {t}\n" for t in tests), text)
 open("setup.cfg", "w").write(text)
 PY
-mutmut run ${glob:+"mp_callbacks.$module.$glob"} > mutmut-run.log 2>&1 || { tail -20 mutmut-run.log; exit 1; }
+mutmut run ${glob:+"mp_callbacks.${module//\//.}.$glob"} > mutmut-run.log 2>&1 || { tail -20 mutmut-run.log; exit 1; }
 mutmut results --all true > results.txt 2>/dev/null
 python - "$module" <<'PY'
 import collections, re, sys

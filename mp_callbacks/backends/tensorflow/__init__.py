@@ -1,3 +1,4 @@
-"""Keras's TensorFlow backend: what the backend-neutral modules ask of it
-(the hardware advisor's probe, devices and build, so far). The step itself
-still lives in `mp_callbacks.model` and its helpers."""
+"""Keras's TensorFlow backend: the loss-scaled step (`step`, and the skip
+mechanisms it uses: `skip`, `gated_update`, `unscale_stage`,
+`forward_writes`, `step_record`) and what the backend-neutral modules ask
+of it (`platform`: the hardware advisor's probe, devices and build)."""

@@ -10,7 +10,7 @@ and each `restore_on_skip` pair is assigned back. Three mechanisms keep it:
   a Python `if`), for an update that cannot be gated, and under a strategy
   that needs no `merge_call`.
 * ``"gated"``: no cond; the update runs and each write it makes is gated
-  on the decision (`mp_callbacks._gated_update`), so healthy steps do not
+  on the decision (`mp_callbacks.backends.tensorflow.gated_update`), so healthy steps do not
   wait behind the cond (`benchmarks/skip_mechanics.py` measures the cond's
   cost). Graph mode without a strategy. Tested bit for bit against "cond".
 * ``"cross_replica"``: under a strategy whose optimizer update
@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from mp_callbacks._backend import tf
-from mp_callbacks._gated_update import gated_apply, gradients_after
 from mp_callbacks._keras_internals import strategy_supports_no_merge_call
+from mp_callbacks.backends.tensorflow.gated_update import gated_apply, gradients_after
 
 __all__ = ["MECHANISMS", "apply_or_skip", "restore_if_skipped"]
 
