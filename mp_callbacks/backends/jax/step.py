@@ -80,7 +80,20 @@ def keep_if_skipped(applied: Any, new: Any, old: Any) -> Any:
 #: `m * b + g * (1 - b)` into a fused multiply-add the other way once a
 #: select on `m` follows, an ulp off stock.
 GATED_WRITES_EXACT = frozenset(
-    {"Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "Ftrl", "Lamb", "Muon", "Nadam", "RMSprop", "SGD"}
+    {
+        "Adadelta",
+        "Adagrad",
+        "Adam",
+        "AdamW",
+        "Adamax",
+        "Ftrl",
+        "Lamb",
+        "Muon",
+        "Nadam",
+        "RMSprop",
+        "SGD",
+        "ScheduleFreeAdamW",
+    }
 )
 
 
