@@ -130,7 +130,9 @@ def _overflowing_classifier(loss_scale):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((6,))
     hidden = keras.layers.Dense(4, name="hidden")(inputs)
-    hidden = keras.layers.Lambda(lambda h: keras.ops.relu(keras.ops.where(keras.ops.isnan(h), 0.0, h)))(hidden)
+    hidden = keras.layers.Lambda(lambda h: keras.ops.relu(keras.ops.where(keras.ops.isnan(h), 0.0, h)))(
+        hidden
+    )
     outputs = keras.layers.Dense(3, activation="softmax", dtype="float32", name="head")(hidden)
     return mp.MixedPrecisionModel(inputs, outputs, loss_scale=loss_scale)
 

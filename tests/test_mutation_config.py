@@ -84,7 +84,9 @@ def test_marks_are_the_placeholders_and_the_logging_only_branches():
 
 def test_marks_in_the_library_are_in_the_callbacks_only():
     marked = {
-        path.relative_to(ROOT / "mp_callbacks").with_suffix("").as_posix(): marks.unmutated_lines(path.read_text())
+        path.relative_to(ROOT / "mp_callbacks").with_suffix("").as_posix(): marks.unmutated_lines(
+            path.read_text()
+        )
         for path in LIBRARY
     }
     # The decision modules have no placeholders: every line of theirs is mutated.
