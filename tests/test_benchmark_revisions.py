@@ -47,3 +47,33 @@ def test_a_revision_imports_under_its_own_name_beside_the_work_tree():
     # Every internal import was renamed: the copy does not reach back into the work tree.
     assert lines[2] == f"mp_callbacks_{head}.model"
     assert "--revisions" in lines[3] and "'no-such-revision'" in lines[3]
+
+
+@pytest.mark.slow
+def test_step_graph_finds_the_same_operations_at_head_and_counts_a_difference():
+    result = subprocess.run(
+        [
+            sys.executable,
+            "step_graph.py",
+            "--model",
+            "transformer",
+            "--optimizer",
+            "sgd",
+            "--revisions",
+            "HEAD",
+        ],
+        cwd=ROOT / "benchmarks",
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "HEAD: " in result.stdout and "the same operations" in result.stdout
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from step_graph import differences
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from collections import Counter
+
+    assert differences(Counter(Add=2, Mul=1), Counter(Add=3, Mul=1, Select=1)) == {"Add": 1, "Select": 1}
