@@ -9,6 +9,22 @@ import tensorflow as tf
 import mp_callbacks as mp
 
 
+def overflowing_classifier(loss_scale="auto", seed: int = 0):
+    """tiny_classifier's layers with NaN zeroed after the hidden Dense, so
+    that a NaN input row gives a finite loss and NaN gradients: an overflow,
+    which the scale backs off for, on every CPU. Through TensorFlow's plain
+    ReLU the loss itself is NaN on some CPUs (an AMD EPYC without AVX-512)
+    and finite on others, and a NaN loss is bad data, which keeps the scale."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(4, name="hidden")(inputs)
+    hidden = keras.layers.Lambda(lambda h: keras.ops.relu(keras.ops.where(keras.ops.isnan(h), 0.0, h)))(
+        hidden
+    )
+    outputs = keras.layers.Dense(3, activation="softmax", dtype="float32", name="head")(hidden)
+    return mp.MixedPrecisionModel(inputs, outputs, loss_scale=loss_scale)
+
+
 def tiny_classifier(
     units: int = 4,
     features: int = 6,

@@ -10,7 +10,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
-from helpers import classification_data, tiny_classifier
+from helpers import classification_data, overflowing_classifier, tiny_classifier
 
 import mp_callbacks as mp
 
@@ -120,25 +120,8 @@ def test_loss_scale_monitor_logs_the_scale_on_a_stock_model_with_our_optimizer()
     assert history.history["loss_scale"] == [64.0]
 
 
-def _overflowing_classifier(loss_scale):
-    """tiny_classifier's layers with NaN zeroed after the hidden Dense: a NaN
-    input row then gives a finite loss and NaN gradients, an overflow the
-    scale backs off for, on every CPU. (Through TensorFlow's plain ReLU the
-    loss depends on the CPU: NaN on an AMD EPYC without AVX-512, where the
-    step is then bad data and the scale stays; this test passed with a
-    plain ReLU on the Intel Xeon with AVX-512 of earlier sessions.)"""
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((6,))
-    hidden = keras.layers.Dense(4, name="hidden")(inputs)
-    hidden = keras.layers.Lambda(lambda h: keras.ops.relu(keras.ops.where(keras.ops.isnan(h), 0.0, h)))(
-        hidden
-    )
-    outputs = keras.layers.Dense(3, activation="softmax", dtype="float32", name="head")(hidden)
-    return mp.MixedPrecisionModel(inputs, outputs, loss_scale=loss_scale)
-
-
 def test_collapse_inside_an_epoch_is_reported_even_after_recovery():
-    model = _overflowing_classifier(mp.LossScaler(initial_scale=4.0, growth_interval=1, min_scale=1.0))
+    model = overflowing_classifier(mp.LossScaler(initial_scale=4.0, growth_interval=1, min_scale=1.0))
     model.compile("sgd", "sparse_categorical_crossentropy")
     x, y = _nan_then_clean(2, 6)
     monitor = mp.LossScaleMonitor(max_skipped_fraction=1.0)
