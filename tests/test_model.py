@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import NaNGradientDense, classification_data, tiny_classifier
+from helpers import NaNGradientDense, classification_data, overflowing_classifier, tiny_classifier
 
 import mp_callbacks as mp
 
@@ -358,7 +358,8 @@ def test_mirrored_strategy_skips_on_every_replica(two_cpu_strategy):
     x, y = classification_data(n=64)
     x[60:] = np.nan  # second half of the last batch: one replica goes non-finite
     with two_cpu_strategy.scope():
-        model = tiny_classifier(loss_scale=mp.LossScaler(initial_scale=2.0**8))
+        # A NaN row overflows the gradients with a finite loss, on every CPU.
+        model = overflowing_classifier(loss_scale=mp.LossScaler(initial_scale=2.0**8))
         model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy")
     history = model.fit(x, y, epochs=1, batch_size=8, shuffle=False, verbose=0).history
     assert history["skipped_steps"] == [1.0]
