@@ -38,6 +38,14 @@ if BACKEND == "tensorflow":
 import keras  # noqa: E402
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per core this process may use, at most four
+    (each worker holds its own TensorFlow or XLA runtime)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cores or 1, 4))
+
+
 @pytest.fixture(autouse=True)
 def _restore_dtype_policy():
     """No test leaks its global dtype policy into the next."""

@@ -14,6 +14,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import mp_callbacks as mp
 
+# Its module-scoped fixtures are built once: the whole file runs on one xdist worker.
+pytestmark = pytest.mark.xdist_group("test_callbacks_integration")
+
 EPOCHS = 3
 
 

@@ -15,6 +15,9 @@ from mp_callbacks_bench.cli import _version, main
 from mp_callbacks_bench.report import verdict
 from mp_callbacks_bench.settings import POLICIES
 
+# Its module-scoped fixtures are built once: the whole file runs on one xdist worker.
+pytestmark = pytest.mark.xdist_group("test_cli")
+
 RESULT_FIELDS = {
     "policy",
     "epoch_time",

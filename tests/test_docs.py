@@ -122,6 +122,23 @@ def test_the_readme_quick_start_runs_as_written(tmp_path):
     assert printed.startswith("[") and printed.count("[") == 3  # three per-epoch lists
 
 
+def test_ci_runs_the_readmes_test_command_on_every_backend():
+    # CI runs what a new user runs: the README's second command's pytest part.
+    readme = (DOCS.parent / "README.md").read_text()
+    commands = re.search(r"^```bash\n(.*?)^```", readme, re.S | re.M).group(1)
+    install_and_test = [
+        line for line in commands.splitlines() if "pytest" in line and not line.startswith("#")
+    ]
+    test_command = install_and_test[0].rsplit("&& ", 1)[1]
+    ci_tests = [
+        line.strip()
+        for line in (DOCS.parent / ".ci" / "run").read_text().splitlines()
+        if "pytest" in line and not line.lstrip().startswith("#")
+    ]
+    assert test_command.startswith("python -m pytest")
+    assert ci_tests == [test_command, test_command], ci_tests
+
+
 MEASURED = re.compile(r"\b\d+\.\d+x\b|\b[01]\.\d{3}\b")  # a speed ratio (1.38x) or an overhead ratio (1.015)
 DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
 MACHINE = re.compile(r"\b(Intel|AMD|ARM|Apple|Graviton|T4|A100|V100|H100)\b")

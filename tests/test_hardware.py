@@ -20,6 +20,9 @@ from mp_callbacks.hardware import (
     measure_policy_speed,
 )
 
+# Its module-scoped fixtures are built once: the whole file runs on one xdist worker.
+pytestmark = pytest.mark.xdist_group("test_hardware")
+
 RECORDED = pathlib.Path(__file__).parent / "data" / "cpuinfo"
 EPYC_BF16 = parse_proc_cpuinfo((RECORDED / "linux-x86_64-amd-epyc-avx512-bf16.txt").read_text(), "x86_64")
 XEON_NO_BF16 = parse_proc_cpuinfo((RECORDED / "linux-x86_64-xeon-8259cl-no-bf16.txt").read_text(), "x86_64")

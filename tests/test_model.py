@@ -16,7 +16,11 @@ import mp_callbacks as mp
 
 # Tiny layers (4 units) keep float16 cheap on CPU; compile's check_model
 # hint about Tensor-Core sizes is expected here and tested in test_model_checks.
-pytestmark = pytest.mark.filterwarnings("ignore:check_model found:mp_callbacks.errors.MixedPrecisionWarning")
+# Its module-scoped fixtures are built once: the whole file runs on one xdist worker.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:check_model found:mp_callbacks.errors.MixedPrecisionWarning"),
+    pytest.mark.xdist_group("test_model"),
+]
 
 
 def _regression_graph(regularized: bool = False, two_outputs: bool = False):

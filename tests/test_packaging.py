@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -14,8 +15,18 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_wheel_contains_license_and_py_typed(tmp_path):
+    # Built from a copy: pip builds in the source tree (egg-info, build/), and
+    # CI installs other venvs from the checkout while this suite runs.
+    source = tmp_path / "source"
+    shutil.copytree(
+        ROOT,
+        source,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv*", "build", "site", "*.egg-info", "__pycache__", ".hypothesis"
+        ),
+    )
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp_path), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp_path), str(source)],
         check=True,
         timeout=600,
         capture_output=True,

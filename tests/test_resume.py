@@ -10,6 +10,9 @@ from helpers import classification_data, tiny_classifier
 
 import mp_callbacks as mp
 
+# Its module-scoped fixtures are built once: the whole file runs on one xdist worker.
+pytestmark = pytest.mark.xdist_group("test_resume")
+
 EPOCHS = 4
 X, LABELS = classification_data(n=64)
 # Large targets make early steps overflow at a huge scale; growth every 3

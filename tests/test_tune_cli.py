@@ -11,6 +11,9 @@ import pytest
 import mp_callbacks as mp
 from mp_callbacks_bench.cli import main
 
+# Its module-scoped fixtures are built once: the whole file runs on one xdist worker.
+pytestmark = pytest.mark.xdist_group("test_tune_cli")
+
 STARTUP_NOISE = ("absl::InitializeLog", "oneDNN custom operations", "cpu_feature_guard", "rebuild TensorFlow")
 
 

@@ -24,6 +24,9 @@ import tensorflow as tf
 
 import mp_callbacks as mp
 
+# Its module-scoped fixtures are built once: the whole file runs on one xdist worker.
+pytestmark = pytest.mark.xdist_group("test_update_traffic")
+
 SHAPE = (512, 512)  # 262,144 elements: above the folded-zero size
 FORWARDING = {
     "Identity",
