@@ -24,7 +24,8 @@ import pytest
 
 import mp_callbacks as mp
 
-pytestmark = pytest.mark.slow
+# A sweep of what the installed Keras offers: CI runs it on the oldest Keras too.
+pytestmark = [pytest.mark.slow, pytest.mark.sweep]
 
 _RNG = np.random.default_rng(0)
 

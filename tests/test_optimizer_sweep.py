@@ -14,7 +14,8 @@ import pytest
 
 import mp_callbacks as mp
 
-pytestmark = pytest.mark.slow
+# A sweep of what the installed Keras offers: CI runs it on the oldest Keras too.
+pytestmark = [pytest.mark.slow, pytest.mark.sweep]
 
 #: Constructor arguments where the defaults do not fit a tiny model.
 _ARGUMENTS: dict[str, dict] = {
