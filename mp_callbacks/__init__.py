@@ -33,7 +33,7 @@ from mp_callbacks.errors import (
     UnsupportedArgumentError,
 )
 from mp_callbacks.errors import (
-    tensorflow_only as _tensorflow_only,
+    not_on_this_backend as _not_on_this_backend,
 )
 
 if BACKEND == "tensorflow":
@@ -51,11 +51,25 @@ if BACKEND == "tensorflow":
     from mp_callbacks.nan_gradient_monitor import NaNGradientMonitor
     from mp_callbacks.precision_plan import PrecisionPlan
     from mp_callbacks.speed_comparison import SpeedComparison
-else:
+elif BACKEND == "jax":
     from mp_callbacks.autotune import autotune
+    from mp_callbacks.backends.common.loss_scaler import LossScaler  # type: ignore[assignment]
     from mp_callbacks.backends.jax.loss_scale_optimizer import LossScaleOptimizer
-    from mp_callbacks.backends.jax.loss_scaler import LossScaler  # type: ignore[assignment]
     from mp_callbacks.backends.jax.model import LOG_KEYS, MixedPrecisionModel
+    from mp_callbacks.diagnosis import PrecisionReport, diagnose_batch
+    from mp_callbacks.epoch_timer import EpochTimer
+    from mp_callbacks.float32_layers import float32_copy, with_float32_layers
+    from mp_callbacks.hardware import POLICIES, inspect_hardware, recommend_policy
+    from mp_callbacks.headroom_monitor import HeadroomMonitor
+    from mp_callbacks.loss_scale_monitor import LossScaleMonitor
+    from mp_callbacks.model_checks import Finding, check_model
+    from mp_callbacks.nan_gradient_monitor import NaNGradientMonitor
+    from mp_callbacks.precision_plan import PrecisionPlan
+    from mp_callbacks.speed_comparison import SpeedComparison
+else:  # torch
+    from mp_callbacks.autotune import autotune
+    from mp_callbacks.backends.common.loss_scaler import LossScaler  # type: ignore[assignment]
+    from mp_callbacks.backends.torch.model import LOG_KEYS, MixedPrecisionModel
     from mp_callbacks.diagnosis import PrecisionReport, diagnose_batch
     from mp_callbacks.epoch_timer import EpochTimer
     from mp_callbacks.float32_layers import float32_copy, with_float32_layers
@@ -69,13 +83,16 @@ else:
 
 __version__ = _package_version()
 
-#: Public names that run on TensorFlow only, for now.
+#: Public names that run on TensorFlow only, for now (none).
 TENSORFLOW_ONLY: tuple[str, ...] = ()
+#: Public names that do not run on the backend in use yet (each raises
+#: BackendNotSupportedError naming the backend and the alternative).
+NOT_ON_THIS_BACKEND: tuple[str, ...] = ("LossScaleOptimizer",) if BACKEND == "torch" else ()
 
 
 def __getattr__(name: str):
-    if name in TENSORFLOW_ONLY:
-        raise _tensorflow_only(name, BACKEND)
+    if name in TENSORFLOW_ONLY or name in NOT_ON_THIS_BACKEND:
+        raise _not_on_this_backend(name, BACKEND)
     if BACKEND != "tensorflow":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     # Deprecated spellings, with a warning.
@@ -113,4 +130,4 @@ __all__ = [
     "with_float32_layers",
 ]
 if BACKEND != "tensorflow":  # `import *` takes only what runs here
-    __all__ = [name for name in __all__ if name not in TENSORFLOW_ONLY]
+    __all__ = [name for name in __all__ if name not in TENSORFLOW_ONLY + NOT_ON_THIS_BACKEND]

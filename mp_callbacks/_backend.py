@@ -1,10 +1,10 @@
 """Import-time checks: which Keras backend runs, and that it is one
-mp_callbacks supports (TensorFlow, or JAX).
+mp_callbacks supports (TensorFlow, JAX or PyTorch).
 
 Everything else in the package imports Keras (and, on TensorFlow, TF)
 through this module, so a missing package or an unsupported backend fails
-once, early, with a message that says what to install or set. On JAX,
-TensorFlow is never imported: `tf` is None there.
+once, early, with a message that says what to install or set. On JAX and
+torch, TensorFlow is never imported: `tf` is None there.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 _MIN_KERAS = (3, 10)
 _MIN_TF = (2, 19)
 #: The backends mp_callbacks runs on, in the order the docs list them.
-SUPPORTED_BACKENDS = ("tensorflow", "jax")
+SUPPORTED_BACKENDS = ("tensorflow", "jax", "torch")
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -29,14 +29,15 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 
 
 _BACKEND_HINT = (
-    "Set the environment variable KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax "
+    "Set the environment variable KERAS_BACKEND=tensorflow, KERAS_BACKEND=jax or "
+    "KERAS_BACKEND=torch "
     'before importing Keras (or set "backend" in ~/.keras/keras.json).'
 )
 
 
 def _backend_error(backend: str) -> ImportError:
     return ImportError(
-        "mp_callbacks runs on Keras's TensorFlow and JAX backends, but Keras is set to "
+        "mp_callbacks runs on Keras's TensorFlow, JAX and PyTorch backends, but Keras is set to "
         f"the {backend!r} backend. {_BACKEND_HINT}"
     )
 
@@ -83,7 +84,7 @@ if _version_tuple(keras.__version__) < _MIN_KERAS:  # pragma: no cover
         "Upgrade with `pip install -U keras`."
     )
 
-#: The Keras backend in use: "tensorflow" or "jax".
+#: The Keras backend in use: "tensorflow", "jax" or "torch".
 BACKEND: str = keras.backend.backend()
 if BACKEND not in SUPPORTED_BACKENDS:
     raise _backend_error(BACKEND)

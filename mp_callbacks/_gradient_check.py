@@ -14,7 +14,14 @@ from typing import Any, NamedTuple
 
 from mp_callbacks._backend import BACKEND, counter_dtype, keras, tf
 
-__all__ = ["CheckedGradients", "applied_norm", "check_gradients", "decision", "nonfinite_flag"]
+__all__ = [
+    "CheckedGradients",
+    "applied_norm",
+    "check_gradients",
+    "check_gradients_on_host",
+    "decision",
+    "nonfinite_flag",
+]
 
 
 ops = keras.ops
@@ -97,6 +104,24 @@ def check_gradients(grads: Sequence[Any]) -> CheckedGradients:
         exact_check,
     )
     return CheckedGradients(flags, ops.sqrt(2.0 * total), all_finite)
+
+
+def check_gradients_on_host(grads: Sequence[Any]) -> tuple[CheckedGradients, bool]:
+    """`check_gradients` for a step that branches on the host (torch's, as
+    `torch.amp.GradScaler`'s): the same one fused pass, whose total is read
+    on the host once (the step's one sync, which is also its decision), and
+    the exact per-gradient flags computed only where it is not finite."""
+    grads = list(grads)
+    if not grads:
+        return check_gradients(grads), True
+    total = _total([half_sum_of_squares(g) for g in grads])
+    finite = bool(ops.isfinite(total))
+    if finite:
+        flags = ops.zeros([len(grads)], _FLAG)
+    else:
+        flags = ops.stack([nonfinite_flag(g) for g in grads])
+        finite = False
+    return CheckedGradients(flags, ops.sqrt(2.0 * total), ops.convert_to_tensor(finite)), finite
 
 
 def decision(checked: CheckedGradients | None, flags: Any, replicas: int = 1) -> Any:

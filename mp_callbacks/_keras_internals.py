@@ -305,6 +305,30 @@ def recording_stateless_scope(mapping: list[tuple[Any, Any]], record: Callable[[
     return RecordingScope(state_mapping=mapping)
 
 
+def deferring_stateless_scope() -> Any:
+    """A `keras.StatelessScope` that keeps every `variable.assign(value)`
+    made in it aside instead of writing it (later reads in the scope see
+    the new value) and collects layer losses, as eager code sees them:
+    `scope.writes()` lists each written variable once, with its last
+    value. Keras hands every write in a stateless scope to
+    `StatelessScope.add_update`, which this overrides."""
+
+    class DeferringScope(keras.StatelessScope):
+        def __init__(self) -> None:
+            super().__init__(collect_losses=True)
+            self._written: dict[int, Any] = {}
+
+        def add_update(self, update: tuple[Any, Any]) -> None:
+            variable, _ = update
+            self._written[id(variable)] = variable
+            super().add_update(update)
+
+        def writes(self) -> list[tuple[Any, Any]]:
+            return [(v, self.get_current_value(v)) for v in self._written.values()]
+
+    return DeferringScope()
+
+
 def optimizer_own_variables(optimizer: Any) -> list[Any]:
     """The variables an optimizer made itself (`Optimizer._variables`: its
     `iterations` and what its `add_variable` made, not a wrapped optimizer's)."""

@@ -17,10 +17,10 @@ if BACKEND == "tensorflow":
     from mp_callbacks.loss_scale import LossScaler
 
     _Scale = LossScaler
-else:  # a JAX MixedPrecisionModel's scale, read between epochs
-    from mp_callbacks.backends.jax.loss_scaler import LossScaler as JaxLossScaler
+else:  # a JAX or torch MixedPrecisionModel's scale, read between epochs
+    from mp_callbacks.backends.common.loss_scaler import LossScaler as VariableLossScaler
 
-    _Scale = JaxLossScaler
+    _Scale = VariableLossScaler
 
 __all__ = ["LossScaleSource", "find_scaler", "read_variable"]
 

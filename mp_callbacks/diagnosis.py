@@ -454,8 +454,8 @@ def diagnose_batch(
             model, (x, y, sample_weight), loss_scale, list(zip(forward_state, saved_state)), watch_inputs
         )
 
-    if BACKEND == "jax":
-        backward = _backward_on_jax(model, x, y, sample_weight, float(loss_scale))
+    if BACKEND in ("jax", "torch"):
+        backward = _backward_from_probes(model, x, y, sample_weight, float(loss_scale))
     else:
         backward = _backward_on_tensorflow(forward, notes)
     layer_records = {}
@@ -516,9 +516,15 @@ def _backward_on_tensorflow(forward: Any, notes: list[str]) -> _Backward:
     return _Backward(replay.order, replay.calls, replay.loss, spans, gradients)
 
 
-def _backward_on_jax(model: keras.Model, x: Any, y: Any, sample_weight: Any, loss_scale: float) -> _Backward:
-    """The same figures from `jax.grad` at zero probes (no tape on JAX)."""
-    from mp_callbacks.backends.jax.replay import replay
+def _backward_from_probes(
+    model: keras.Model, x: Any, y: Any, sample_weight: Any, loss_scale: float
+) -> _Backward:
+    """The same figures from the gradients at zero probes: `jax.grad` on
+    JAX (which has no tape), `torch.autograd.grad` on torch."""
+    if BACKEND == "jax":
+        from mp_callbacks.backends.jax.replay import replay
+    else:
+        from mp_callbacks.backends.torch.replay import replay
 
     result = replay(model, _inspected_layers(model), x, y, sample_weight, loss_scale)
     order: list[Any] = []

@@ -8,7 +8,7 @@ has trained 2.5x faster than float32 on one CPU and 3x slower on another.
 So the advisor measures: `measure_policy_speed` runs a short probe (matrix
 multiply and convolution, forward and backward) in each policy's compute
 dtype on the device the running Keras backend will use (TensorFlow's here,
-JAX's in `backends/jax/platform.py`), and `inspect_hardware` checks the
+JAX's in `backends/jax/platform.py`, torch's in `backends/torch/platform.py`), and `inspect_hardware` checks the
 rules against that measurement. `recommend_policy` gives the one answer.
 
 Everything the advice rests on (CPU features, GPUs, the measurement) can be
@@ -45,11 +45,16 @@ __all__ = [
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 MIXED_POLICIES = POLICIES[1:]
 _COMPUTE_DTYPE = {"float32": "float32", "mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}
-_FRAMEWORK = {"tensorflow": "TensorFlow", "jax": "JAX"}
-_KERNELS_USING_AMX = {"tensorflow": "TensorFlow's oneDNN kernels", "jax": "XLA's CPU kernels can"}
+_FRAMEWORK = {"tensorflow": "TensorFlow", "jax": "JAX", "torch": "PyTorch"}
+_KERNELS_USING_AMX = {
+    "tensorflow": "TensorFlow's oneDNN kernels",
+    "jax": "XLA's CPU kernels can",
+    "torch": "PyTorch's oneDNN kernels can",
+}
 _NO_CUDA = {
     "tensorflow": "This TensorFlow build has no CUDA support; install mp_callbacks[gpu] (tensorflow[and-cuda]).",
     "jax": 'This jaxlib has no CUDA plugin; install jax with CUDA (pip install "jax[cuda12]").',
+    "torch": "This torch build has no CUDA support; install a CUDA build of torch (pytorch.org lists them).",
 }
 
 # A mixed policy is recommended only when the probe finds it at least this

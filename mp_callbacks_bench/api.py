@@ -151,7 +151,7 @@ def _check_inputs(settings: BenchSettings) -> str:
 
 def _versions() -> dict[str, str]:
     """The versions a result depends on: the library, Keras, the backend
-    Keras runs (under its own name: "tensorflow", "jax") and Python."""
+    Keras runs (under its own name: "tensorflow", "jax", "torch") and Python."""
     import importlib
 
     import keras

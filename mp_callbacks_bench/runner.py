@@ -36,6 +36,10 @@ def _on_gpu() -> bool:
         import jax
 
         return any(device.platform == "gpu" for device in jax.devices())
+    if keras.backend.backend() == "torch":
+        import torch
+
+        return bool(torch.cuda.is_available())
     import tensorflow as tf
 
     return bool(tf.config.list_physical_devices("GPU"))
@@ -47,6 +51,10 @@ def _gpu_peak_bytes() -> float | None:
 
         stats = jax.devices("gpu")[0].memory_stats() or {}
         return stats.get("peak_bytes_in_use")
+    if keras.backend.backend() == "torch":
+        import torch
+
+        return float(torch.cuda.max_memory_allocated())
     import tensorflow as tf
 
     return tf.config.experimental.get_memory_info("GPU:0")["peak"]

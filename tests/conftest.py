@@ -1,8 +1,10 @@
 """Shared test set-up: two logical CPUs, quiet TensorFlow, policy hygiene.
 
 The backend comes from KERAS_BACKEND (TensorFlow by default). On
-TensorFlow the whole suite runs but `tests/on_jax`; with KERAS_BACKEND=jax
-only `tests/on_jax` runs, in an install that may have no TensorFlow.
+TensorFlow the whole suite runs but the other backends' folders; with
+KERAS_BACKEND=jax `tests/on_jax` and `tests/on_jax_and_torch` run, with
+KERAS_BACKEND=torch `tests/on_torch` and `tests/on_jax_and_torch`, in an
+install that may have no TensorFlow.
 """
 
 import contextlib
@@ -17,8 +19,12 @@ if BACKEND == "jax":
     # initialises.
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
     collect_ignore_glob = ["test_*.py"]
-else:
+    collect_ignore = ["on_torch"]
+elif BACKEND == "torch":
+    collect_ignore_glob = ["test_*.py"]
     collect_ignore = ["on_jax"]
+else:
+    collect_ignore = ["on_jax", "on_torch", "on_jax_and_torch"]
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

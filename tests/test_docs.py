@@ -137,8 +137,8 @@ def test_ci_runs_the_readmes_test_command_on_every_backend():
     ]
     assert test_command.startswith("python -m pytest")
     # TensorFlow's stages (run_tests, with extra arguments on the oldest
-    # versions) and JAX's.
-    assert ci_tests == [f'{test_command} "$@"', test_command], ci_tests
+    # versions), JAX's and torch's.
+    assert ci_tests == [f'{test_command} "$@"', test_command, test_command], ci_tests
 
 
 MEASURED = re.compile(r"\b\d+\.\d+x\b|\b[01]\.\d{3}\b")  # a speed ratio (1.38x) or an overhead ratio (1.015)

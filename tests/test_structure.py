@@ -155,10 +155,17 @@ def test_the_tensorflow_step_reads_top_to_bottom():
 
 def _defined_attributes() -> set[str]:
     """Every attribute name the library itself defines: methods, class
-    attributes, `self.x = ...` and `object.__setattr__(self, "x", ...)`."""
+    attributes (`x = ...` and `x: T` in a class body), `self.x = ...` and
+    `object.__setattr__(self, "x", ...)`."""
     names = set()
     for path in _modules():
         for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                for statement in node.body:
+                    targets = statement.targets if isinstance(statement, ast.Assign) else []
+                    if isinstance(statement, ast.AnnAssign):
+                        targets = [statement.target]
+                    names.update(t.id for t in targets if isinstance(t, ast.Name))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 names.add(node.name)
             elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):

@@ -25,8 +25,8 @@ from mp_callbacks._optimizer_arguments import (
     overwrites_with_gradient,
     scaler_from_arguments,
 )
+from mp_callbacks.backends.common.loss_scaler import LossScaler
 from mp_callbacks.backends.jax import step as jax_step
-from mp_callbacks.backends.jax.loss_scaler import LossScaler
 
 __all__ = ["LossScaleOptimizer"]
 

@@ -1,108 +1,34 @@
 """`MixedPrecisionModel` on Keras's JAX backend.
 
-The loss scale's state lives in non-trainable variables of the model, so
-that it travels with the rest of the state through JAX's stateless step
-and is saved with the weights. A step scales the loss, unscales the
-gradients once, checks them in one pass, runs the optimizer's
-`stateless_apply`, and keeps every piece of state that came in
-(weights, optimizer slots and `iterations`, BatchNormalization's
-statistics, seed states, EMA copies) where the step is skipped.
+The loss scale's state lives in non-trainable variables of the model
+(`backends/common/model.py`), so that it travels with the rest of the
+state through JAX's stateless step and is saved with the weights. A step
+scales the loss, unscales the gradients once, checks them in one pass,
+runs the optimizer's `stateless_apply`, and keeps every piece of state
+that came in (weights, optimizer slots and `iterations`,
+BatchNormalization's statistics, seed states, EMA copies) where the step
+is skipped.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
 from typing import Any
 
 import jax
-import numpy as np
 
-from mp_callbacks import _loss_scale_argument, _scale_state
 from mp_callbacks._backend import keras
-from mp_callbacks._keras_internals import (
-    LossScaleSaveable,
-    all_layers,
-    functional_class,
-    functional_init_arguments,
-    init_functional,
-    keras_default_method,
-    update_metrics_variables,
-)
-from mp_callbacks._loss_scale_argument import AUTO
-from mp_callbacks._model_building import (
-    LOG_KEYS,
-    functional_variant,
-    warn_about_findings,
-    wrap_model,
-)
+from mp_callbacks._keras_internals import update_metrics_variables
+from mp_callbacks._model_building import LOG_KEYS
+from mp_callbacks.backends.common.model import VariableScaleModel, scaler_from_argument
 from mp_callbacks.backends.jax import step as jax_step
-from mp_callbacks.backends.jax.loss_scaler import LossScaler
 
-__all__ = ["LOG_KEYS", "MixedPrecisionModel"]
+__all__ = ["LOG_KEYS", "MixedPrecisionModel", "scaler_from_argument"]
 
-logger = logging.getLogger("mp_callbacks.model")
 ops = keras.ops
-
-_DYNAMIC = _scale_state.ScaleSettings.checked(2.0**15, 2000, 2.0, 0.5, 1.0, 2.0**24, 1)
-_DISABLED = _scale_state.ScaleSettings.checked(1.0, 1, 2.0, 0.5, 1.0, 1.0, 1)
-#: Per-epoch figures for the logs, kept beside the scale's state.
-_EPOCH_VARIABLES = (
-    ("epoch_norm_sum", "float32"),
-    ("epoch_applied", "float32"),
-    ("epoch_skipped", "float32"),
-    ("epoch_samples", "float32"),
-)
-
-
-def _variable(name: str, dtype: str, value: Any) -> Any:
-    return keras.Variable(value, dtype=dtype, trainable=False, autocast=False, name=f"mp_loss_scale_{name}")
-
-
-def _fixed(scale: float) -> _scale_state.ScaleSettings:
-    return _scale_state.ScaleSettings.checked(scale, 1, 2.0, 0.5, scale, scale, 1)
-
-
-def scaler_from_argument(value: Any, owner: str = "MixedPrecisionModel") -> LossScaler | None:
-    """A `loss_scale` argument as a LossScaler (None for "auto"): the one
-    parser, `_loss_scale_argument.scaler_from_argument`, with this backend's class."""
-    return _loss_scale_argument.scaler_from_argument(value, LossScaler, owner)
-
-
-def _settings_dict(settings: _scale_state.ScaleSettings) -> dict[str, Any]:
-    return {
-        "initial_scale": settings.initial_scale,
-        "growth_interval": settings.growth_interval,
-        "growth_factor": settings.growth_factor,
-        "backoff_factor": settings.backoff_factor,
-        "min_scale": settings.min_scale,
-        "max_scale": settings.max_scale,
-        "hysteresis": settings.hysteresis,
-    }
-
-
-class _KeptBatch:
-    """The batch of the last skipped step, on the host: the step hands it
-    over in the branch only skipped steps take (`hand_over_if_skipped`),
-    and a read waits for callbacks still on their way."""
-
-    def __init__(self) -> None:
-        self.kept: tuple[Any, int] | None = None
-        self.not_kept: str | None = None
-        self._lock = threading.Lock()
-
-    def receive(self, batch: Any, step: Any) -> None:
-        with self._lock:
-            self.kept = (jax.tree.map(np.asarray, batch), int(step))
-
-    def read(self) -> tuple[Any, int] | None:
-        jax.effects_barrier()
-        with self._lock:
-            return self.kept
 
 
 @keras.saving.register_keras_serializable(package="mp_callbacks")
-class MixedPrecisionModel(keras.Model):
+class MixedPrecisionModel(VariableScaleModel):
     """A `keras.Model` whose step scales the loss, skips non-finite steps
     (leaving every variable as it was) and reports `loss_scale`,
     `grad_norm` and `skipped_steps` in the training logs; on JAX.
@@ -114,241 +40,7 @@ class MixedPrecisionModel(keras.Model):
             non-finite steps are still skipped).
     """
 
-    def __init__(self, *args: Any, loss_scale: Any = AUTO, **kwargs: Any) -> None:
-        if functional_init_arguments(args, kwargs):
-            if not isinstance(self, functional_class()):
-                self.__class__ = functional_variant(type(self))
-            init_functional(self, args, kwargs)
-        else:
-            super().__init__(*args, **kwargs)
-        scaler = scaler_from_argument(loss_scale)
-        self._mp_chosen_by = "user" if scaler is not None else None
-        initial = _scale_state.initial_values(_DYNAMIC)
-        # Untracked by Keras (not the model's own weights: a plain
-        # keras.Model with the same layers loads this model's weights, and
-        # float32_copy copies them), yet among `non_trainable_variables`, so
-        # they enter JAX's stateless step with the rest of the state.
-        state = {
-            spec.name: _variable(spec.name, spec.dtype, initial[spec.name])
-            for spec in _scale_state.STATE_VARIABLES
-        }
-        epoch = {name: _variable(name, dtype, 0.0) for name, dtype in _EPOCH_VARIABLES}
-        object.__setattr__(self, "_mp_state", state)
-        object.__setattr__(self, "_mp_epoch", epoch)
-        # Per trainable variable, steps whose gradient was not finite: made
-        # once the variables are known (`_count_gradients`).
-        object.__setattr__(self, "_mp_counts", {})
-        object.__setattr__(self, "_mp_kept", _KeptBatch())
-        #: The LossScaler in use, reading `_mp_state` (None: "auto" until compile).
-        object.__setattr__(self, "_mp_scaler", None)
-        if scaler is not None:
-            self._adopt(scaler)
-
-    @property
-    def _mp_settings(self) -> _scale_state.ScaleSettings | None:
-        return None if self._mp_scaler is None else self._mp_scaler.settings
-
-    @property
-    def non_trainable_variables(self) -> list[Any]:
-        """Keras's, then the loss scale's state (untracked: see `__init__`)."""
-        ours = [*self._mp_state.values(), *self._mp_epoch.values(), *self._mp_counts.values()]
-        return list(super().non_trainable_variables) + ours
-
-    @property
-    def _loss_scale_state(self) -> LossScaleSaveable:
-        # Keras's saver finds this attribute and stores the loss scale under
-        # its own path, apart from the model's weights (as on TensorFlow).
-        saveable = self.__dict__.get("_mp_loss_scale_saveable")
-        if saveable is None:
-            saveable = LossScaleSaveable(
-                lambda: self._mp_scaler or LossScaler.viewing(_DYNAMIC, self._mp_state)
-            )
-            self.__dict__["_mp_loss_scale_saveable"] = saveable
-        return saveable
-
-    @classmethod
-    def from_model(cls, model: keras.Model, loss_scale: Any = AUTO, **kwargs: Any) -> MixedPrecisionModel:
-        """Wraps a built Sequential or functional model, sharing its layers
-        and weights (see the TensorFlow backend's `from_model`)."""
-        return wrap_model(cls, model, loss_scale, kwargs)
-
-    # ---------------------------------------------------------- loss scale
-    @property
-    def scaler(self) -> LossScaler | None:
-        """The `LossScaler` this model trains with (None until `compile`
-        resolves "auto"): settings, `get_scale()`, `diagnostics()`."""
-        return self._mp_scaler
-
-    @property
-    def loss_scale(self) -> Any:
-        """The current loss scale (a float32 scalar); None before `compile`
-        resolves "auto"."""
-        return None if self._mp_settings is None else self._mp_state["scale"].value
-
-    def get_scale(self) -> float:
-        """The current loss scale as a Python float (1.0: no scaling)."""
-        if self._mp_settings is None:
-            return 2.0**15 if self._computes_in_float16() else 1.0
-        return float(ops.convert_to_numpy(self._mp_state["scale"].value))
-
-    def loss_scale_state(self) -> dict[str, Any]:
-        """The state machine's variables as Python numbers (a host read)."""
-        return {
-            spec.name: (float if spec.dtype == "float32" else int)(
-                ops.convert_to_numpy(self._mp_state[spec.name].value)
-            )
-            for spec in _scale_state.STATE_VARIABLES
-        }
-
-    def _computes_in_float16(self) -> bool:
-        if self.dtype_policy.compute_dtype == "float16":
-            return True
-        return any(getattr(layer, "compute_dtype", None) == "float16" for layer in all_layers(self))
-
-    def _loss_scale_is_auto(self) -> bool:
-        """Whether compile chose the scale for the policy ("auto"), so that
-        a copy under another policy (PrecisionPlan.apply) chooses again."""
-        return self._mp_chosen_by in (None, "auto")
-
-    def set_loss_scale(self, loss_scale: Any) -> None:
-        """Replaces the loss scale (same values as the `loss_scale`
-        argument). Training resumes from a LossScaler's state; "auto" or
-        settings start from their initial scale."""
-        scaler = scaler_from_argument(loss_scale)
-        self._mp_chosen_by = "user" if scaler is not None else None
-        if scaler is None and self.compiled:
-            self._mp_chosen_by = "auto"
-            self._adopt(_DYNAMIC if self._computes_in_float16() else _DISABLED)
-            return
-        self._adopt(scaler)
-
-    def _adopt(self, scale: LossScaler | _scale_state.ScaleSettings | None) -> None:
-        """Trains with `scale` from here on: a LossScaler moves its state
-        into the model's variables; settings (compile's choice) start from
-        their initial scale, unless they are those already in use."""
-        if scale is self._mp_scaler or (
-            isinstance(scale, _scale_state.ScaleSettings) and scale == self._mp_settings
-        ):
-            return
-        if isinstance(scale, LossScaler):
-            scale.bind(self._mp_state)
-        else:
-            initial = _scale_state.initial_values(scale or _DYNAMIC)
-            for name, variable in self._mp_state.items():
-                variable.assign(initial[name])
-            if scale is not None:
-                scale = LossScaler.viewing(scale, self._mp_state)
-        object.__setattr__(self, "_mp_scaler", scale)
-        self._count_gradients()
-        self.train_function = None
-
-    def _count_gradients(self) -> None:
-        """Makes the per-variable non-finite counters for the trainable
-        variables (once they are known; again if they change) and shows
-        them to the scaler."""
-        if not self.built:
-            return
-        paths = [v.path for v in self.trainable_variables]
-        counts = self._mp_counts.get("nonfinite_counts")
-        if counts is None or tuple(counts.shape) != (len(paths),):
-            counts = _variable("nonfinite_counts", _scale_state.COUNTER_DTYPE, np.zeros(len(paths)))
-            self._mp_counts["nonfinite_counts"] = counts
-        if self._mp_scaler is not None:
-            self._mp_scaler.count_gradients(counts, paths)
-
-    def nonfinite_gradient_counts(self) -> dict[str, int]:
-        """Steps with a non-finite gradient so far, per trainable variable
-        path (counted in the step; one host read, between epochs)."""
-        return {} if self._mp_scaler is None else self._mp_scaler.nonfinite_gradient_counts()
-
-    def kept_batch(self) -> tuple[tuple[Any, Any, Any], int] | None:
-        """The last batch whose step was skipped, and that step's number
-        (0-based), as `((x, y, sample_weight), step)` in NumPy; None when no
-        step was skipped, or where no batch is kept (`kept_batch_note()`).
-        `diagnose_batch(model, *batch)` replays it."""
-        return self._mp_kept.read()
-
-    def kept_batch_note(self) -> str | None:
-        """Why the last skipped step's batch could not be kept, or None."""
-        if type(self).train_step is not MixedPrecisionModel.train_step and self._mp_kept.kept is None:
-            return (
-                "your own train_step keeps no batch unless it calls "
-                "scaling.hand_over_if_skipped(outcome, non_trainable, batch, self.keep_skipped_batch)"
-            )
-        return self._mp_kept.not_kept
-
-    def keep_skipped_batch(self, batch: Any, step: Any) -> None:
-        """Receives a skipped step's batch on the host (what
-        `LossScaling.hand_over_if_skipped` calls)."""
-        self._mp_kept.receive(batch, step)
-
-    # ------------------------------------------------------------- compile
-    def compile(self, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> None:
-        """As `keras.Model.compile`, with one loss scale: Keras's own
-        wrapping is off; a Keras `LossScaleOptimizer` is unwrapped and its
-        scale adopted; `auto_scale_loss=False` turns off "auto"."""
-        if type(self).train_step is not MixedPrecisionModel.train_step:
-            # Your own stateless train_step applies through self.optimizer:
-            # compiled as stock Keras compiles it (a LossScaleOptimizer under
-            # mixed_float16), it is never less safe than stock. Its
-            # `loss_scaling()` (with auto_scale_loss=False) scales with ours.
-            super().compile(optimizer, *args, **kwargs)
-            if self._mp_chosen_by != "user":
-                self._adopt(_DYNAMIC if self._computes_in_float16() else _DISABLED)
-                self._mp_chosen_by = "auto"
-            self._build_optimizer()
-            return
-        auto_scale_loss = kwargs.pop("auto_scale_loss", True)
-        optimizer = keras.optimizers.get(optimizer)
-        adopted = None
-        if isinstance(getattr(optimizer, "scaler", None), LossScaler):
-            adopted = optimizer.scaler.settings  # mp_callbacks.LossScaleOptimizer: all of its settings
-            optimizer = optimizer.inner_optimizer
-        elif isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            adopted = _scale_state.ScaleSettings.checked(
-                **{
-                    **_settings_dict(_DYNAMIC),
-                    "initial_scale": float(optimizer.initial_scale),
-                    "growth_interval": int(optimizer.dynamic_growth_steps),
-                }
-            )
-            optimizer = optimizer.inner_optimizer
-        elif getattr(optimizer, "loss_scale_factor", None) is not None:
-            adopted = _fixed(float(optimizer.loss_scale_factor))
-            optimizer.loss_scale_factor = None
-        super().compile(optimizer, *args, auto_scale_loss=False, **kwargs)
-        if adopted is not None and self._mp_chosen_by != "user":
-            self._adopt(adopted)
-            self._mp_chosen_by = "user"
-        elif self._mp_chosen_by != "user":
-            choice = "auto" if auto_scale_loss else "off"
-            if self._mp_settings is None or self._mp_chosen_by != choice:
-                self._adopt(_DYNAMIC if auto_scale_loss and self._computes_in_float16() else _DISABLED)
-                self._mp_chosen_by = choice
-        self._build_optimizer()
-        self._warn_about_findings()
-
-    def _build_optimizer(self) -> None:
-        # Built now rather than at the first fit, so that a load right after
-        # compile (load_model, or resuming from a checkpoint) restores the
-        # optimizer's slots and iterations too instead of skipping them.
-        if self.built and not self.optimizer.built:
-            self.optimizer.build(self.trainable_variables)
-        self._count_gradients()  # before a load restores them
-
-    def _warn_about_findings(self) -> None:
-        if self.__dict__.get("_mp_checked"):
-            return
-        self.__dict__["_mp_checked"] = True
-        warn_about_findings(self, self.__dict__.get("_mp_loading", False))
-
-    def compile_from_config(self, config: dict[str, Any]) -> None:
-        # Keras skips compile_from_config for models that override compile.
-        self.__dict__["_mp_loading"] = True
-        try:
-            self.compile(**keras.saving.deserialize_keras_object(config))
-        finally:
-            self.__dict__["_mp_loading"] = False
+    _mp_kept_barrier = staticmethod(jax.effects_barrier)
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         """As `keras.Model.fit`. With an EMA optimizer, Keras ends `fit` by
@@ -362,13 +54,6 @@ class MixedPrecisionModel(keras.Model):
                 variable.assign(ops.copy(variable.value))
         return history
 
-    def make_train_function(self, force: bool = False):
-        if self._mp_settings is None:
-            raise RuntimeError("MixedPrecisionModel must be compiled before training.")
-        self._count_gradients()  # before Keras gathers the step's state
-        return super().make_train_function(force=force)
-
-    # ---------------------------------------------------------------- step
     def loss_scaling(self, non_trainable_variables: Any) -> jax_step.LossScaling:
         """The loss scale for one stateless step, read from the step's
         `non_trainable_variables` (see `LossScaling`): what this model's
@@ -390,8 +75,6 @@ class MixedPrecisionModel(keras.Model):
     def train_step(self, state: Any, data: Any) -> tuple[dict[str, Any], Any]:
         """Keras's JAX step, loss-scaled and skipped as one: check once,
         decide once, apply or keep, update the scale's state."""
-        import jax
-
         trainable, non_trainable, optimizer_vars, metrics_vars = state
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         scaling = self.loss_scaling(non_trainable)
@@ -432,21 +115,4 @@ class MixedPrecisionModel(keras.Model):
         logs, metrics_vars = update_metrics_variables(self, metrics_vars, loss, x, y, y_pred, sample_weight)
         return {**logs, **scale_logs}, (trainable, non_trainable, optimizer_vars, metrics_vars)
 
-    def epoch_sample_count(self) -> float:
-        """Samples trained on in the current epoch (a host read)."""
-        return float(ops.convert_to_numpy(self._mp_epoch["epoch_samples"].value))
-
-    def reset_metrics(self) -> None:
-        super().reset_metrics()
-        for variable in self._mp_epoch.values():
-            variable.assign(0.0)
-
-    # ---------------------------------------------------------- save / load
-    @keras_default_method
-    def get_config(self) -> dict[str, Any]:
-        config = super().get_config()
-        if self._mp_settings is None:
-            config["loss_scale"] = AUTO
-        else:
-            config["loss_scale"] = self._mp_scaler.get_config()
-        return config
+    _mp_default_train_step = train_step

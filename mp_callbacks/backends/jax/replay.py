@@ -12,36 +12,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 
 from mp_callbacks._backend import keras
 from mp_callbacks._keras_internals import replaced_on_instance
+from mp_callbacks.backends.common.replay import LayerCall, Replay
 
 __all__ = ["LayerCall", "Replay", "is_traced", "replay"]
-
-
-class LayerCall(NamedTuple):
-    """One call of a layer: its floating inputs and outputs."""
-
-    layer: Any
-    inputs: list[Any]
-    outputs: list[Any]
-
-
-class Replay(NamedTuple):
-    """The batch's calls (in order of completion: forward order), its
-    unscaled loss (None without one) and, when there is a loss, the
-    gradients of the scaled loss at each call's inputs and outputs and at
-    the trainable variables (aligned with `model.trainable_variables`;
-    empty without a loss)."""
-
-    calls: list[LayerCall]
-    loss: Any
-    input_gradients: list[list[Any]]
-    output_gradients: list[list[Any]]
-    weight_gradients: list[Any]
 
 
 def is_traced(tensors: list[Any]) -> bool:

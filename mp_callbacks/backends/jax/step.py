@@ -13,14 +13,14 @@ own (two optimizers of a GAN share one scale and one decision).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 
 from mp_callbacks import _scale_state
 from mp_callbacks._backend import keras
-from mp_callbacks._gradient_check import check_gradients, nonfinite_flag
 from mp_callbacks._keras_internals import optimizer_built_variables, recording_stateless_scope
+from mp_callbacks.backends.common.step import StepOutcome, check, finished_state, scale_loss, unscale
 
 __all__ = [
     "LossScaling",
@@ -34,34 +34,6 @@ __all__ = [
 ]
 
 ops = keras.ops
-
-
-class StepOutcome(NamedTuple):
-    """What one check of a step's gradients decided."""
-
-    applied: Any  #: bool scalar: every gradient finite, the update applies
-    flags: Any  #: int [n + 1]: per gradient, then the loss, 1 where not finite
-    global_norm: Any  #: float32: the gradients' global L2 norm
-
-
-def scale_loss(loss: Any, scale: Any) -> Any:
-    """The loss times the scale, in float32."""
-    return ops.cast(loss, "float32") * scale
-
-
-def unscale(grads: Sequence[Any], scale: Any) -> list[Any]:
-    """Each gradient times 1/scale, in its own dtype (the rule TensorFlow's
-    step and Keras's `LossScaleOptimizer` use)."""
-    inverse = 1.0 / scale
-    return [None if g is None else g * ops.cast(inverse, g.dtype) for g in grads]
-
-
-def check(grads: Sequence[Any], loss: Any) -> StepOutcome:
-    """One pass over the (unscaled) gradients: the decision, the flags the
-    state machine counts, and the norm."""
-    checked = check_gradients(list(grads))
-    flags = ops.concatenate([checked.flags, ops.expand_dims(nonfinite_flag(loss), 0)])
-    return StepOutcome(checked.all_finite, flags, checked.global_norm)
 
 
 def keep_if_skipped(applied: Any, new: Any, old: Any) -> Any:
@@ -234,33 +206,9 @@ class LossScaling:
         epoch's figures in them, and the logs' `loss_scale`, `grad_norm`
         and `skipped_steps`."""
         values = list(non_trainable)
-        before = {spec.name: values[self._at[spec.name]] for spec in _scale_state.STATE_VARIABLES}
-        after = next_scale_state(self._settings, before, outcome)
-        applied = ops.cast(outcome.applied, "float32")
-        epoch = {
-            "epoch_norm_sum": values[self._at["epoch_norm_sum"]]
-            + ops.where(outcome.applied, outcome.global_norm, 0.0),
-            "epoch_applied": values[self._at["epoch_applied"]] + applied,
-            "epoch_skipped": values[self._at["epoch_skipped"]] + (1.0 - applied),
-            "epoch_samples": values[self._at["epoch_samples"]] + float(batch_size),
-        }
-        increments = after.pop("nonfinite_counts")
-        counts_at = self._at.get("nonfinite_counts")
-        # Counted where the step's gradients are the model's trainable
-        # variables', in order (a step of your own may check others).
-        if counts_at is not None and tuple(values[counts_at].shape) == tuple(increments.shape):
-            values[counts_at] = values[counts_at] + ops.cast(increments, values[counts_at].dtype)
-        for name, value in {**after, **epoch}.items():
-            if name in self._at:
-                values[self._at[name]] = value
-        applied_steps = epoch["epoch_applied"]
-        logs = {
-            "loss_scale": after["scale"],
-            # An epoch without an applied step has no gradient norm (0 would
-            # read as vanishing gradients).
-            "grad_norm": ops.where(
-                applied_steps > 0, epoch["epoch_norm_sum"] / ops.maximum(applied_steps, 1.0), float("nan")
-            ),
-            "skipped_steps": epoch["epoch_skipped"],
-        }
+        after, logs = finished_state(
+            self._settings, {name: values[at] for name, at in self._at.items()}, outcome, batch_size
+        )
+        for name, value in after.items():
+            values[self._at[name]] = value
         return values, logs

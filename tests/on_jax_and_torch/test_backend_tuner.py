@@ -11,7 +11,9 @@ import pytest
 import mp_callbacks as mp
 from mp_callbacks.tuner import MixedPrecisionHyperModel
 
-pytestmark = pytest.mark.skipif(keras.backend.backend() != "jax", reason="the JAX backend's tests")
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() not in ("jax", "torch"), reason="the JAX and torch backends' tests"
+)
 
 _RNG = np.random.default_rng(0)
 X = _RNG.normal(size=(64, 6)).astype("float32")

@@ -15,7 +15,9 @@ from test_examples import (  # noqa: F401 - collected here, run on JAX
     test_tuner_search_example,
 )
 
-pytestmark = pytest.mark.skipif(keras.backend.backend() != "jax", reason="the JAX backend's tests")
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() not in ("jax", "torch"), reason="the JAX and torch backends' tests"
+)
 
 
 def test_the_examples_left_out_are_the_ones_written_with_tensorflow():

@@ -1,37 +1,59 @@
-"""NaNGradientMonitor on Keras's JAX backend: handled overflow told apart
+"""NaNGradientMonitor on Keras's JAX and torch backends: handled overflow told apart
 from divergence and from bad data, the variables and the layer named, with
-its checks in step order (the trained state synced only at a check)."""
+its checks in step order (on JAX, the trained state synced only at a check)."""
 
 from __future__ import annotations
 
 import warnings
 
-import jax
-import jax.numpy as jnp
 import keras
 import numpy as np
 import pytest
 
 import mp_callbacks as mp
 
-pytestmark = pytest.mark.skipif(keras.backend.backend() != "jax", reason="the JAX backend's tests")
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() not in ("jax", "torch"), reason="the JAX and torch backends' tests"
+)
 
 
-@jax.custom_vjp
-def _poisoned_matmul(x, kernel):
-    return x @ kernel
+def _poisoned_matmul_op():
+    """`x @ kernel` whose kernel gradient is NaN (its inputs' is fine), in
+    the backend's own way of defining a gradient."""
+    if keras.backend.backend() == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        @jax.custom_vjp
+        def matmul(x, kernel):
+            return x @ kernel
+
+        def forward(x, kernel):
+            return x @ kernel, (x, kernel)
+
+        def backward(saved, upstream):
+            _, kernel = saved
+            return upstream @ kernel.T, jnp.full_like(kernel, jnp.nan)
+
+        matmul.defvjp(forward, backward)
+        return matmul
+    import torch
+
+    class PoisonedMatmul(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, kernel):
+            ctx.save_for_backward(kernel)
+            return x @ kernel
+
+        @staticmethod
+        def backward(ctx, upstream):
+            (kernel,) = ctx.saved_tensors
+            return upstream @ kernel.T, torch.full_like(kernel, float("nan"))
+
+    return PoisonedMatmul.apply
 
 
-def _forward(x, kernel):
-    return x @ kernel, (x, kernel)
-
-
-def _backward(saved, upstream):
-    _, kernel = saved
-    return upstream @ kernel.T, jnp.full_like(kernel, jnp.nan)
-
-
-_poisoned_matmul.defvjp(_forward, _backward)
+_poisoned_matmul = _poisoned_matmul_op()
 
 
 class NaNGradientDense(keras.layers.Layer):

@@ -19,7 +19,9 @@ import mp_callbacks as mp
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(keras.backend.backend() != "jax", reason="the JAX backend's tests"),
+    pytest.mark.skipif(
+        keras.backend.backend() not in ("jax", "torch"), reason="the JAX and torch backends' tests"
+    ),
 ]
 
 

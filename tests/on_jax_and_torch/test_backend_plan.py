@@ -8,7 +8,9 @@ import pytest
 
 import mp_callbacks as mp
 
-pytestmark = pytest.mark.skipif(keras.backend.backend() != "jax", reason="the JAX backend's tests")
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() not in ("jax", "torch"), reason="the JAX and torch backends' tests"
+)
 
 
 def _model(cls=keras.Model):

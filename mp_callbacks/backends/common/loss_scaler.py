@@ -1,30 +1,28 @@
-"""`LossScaler` on Keras's JAX backend: the public loss-scale object.
+"""`LossScaler` on Keras's JAX and PyTorch backends: the public loss-scale object.
 
 The same settings, checks, config and state as TensorFlow's `LossScaler`,
-for a JAX `MixedPrecisionModel`. JAX's step is stateless, so the scale's
-state is Keras variables that the model carries through the step, and the
-step scales with `model.loss_scaling(non_trainable_variables)`, not with
-this object: it is the scale's settings, and between epochs (when Keras
-has put the state back into the variables) its read-out and restore.
-During an epoch the variables hold no value: the callbacks read the
-step's logs instead.
+for a JAX or torch `MixedPrecisionModel`. The scale's state is Keras
+variables of the model (JAX's stateless step carries them through the
+step; torch's step writes them), and the step scales with
+`model.loss_scaling(...)`, not with this object: it is the scale's
+settings, and between epochs its read-out and restore. During an epoch on
+JAX the variables hold no value: the callbacks read the step's logs
+instead.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import jax
-
 from mp_callbacks import _scale_state
-from mp_callbacks._backend import keras
+from mp_callbacks._backend import BACKEND, keras
 from mp_callbacks._scale_config import ScaleConfig
 from mp_callbacks.errors import BackendNotSupportedError
 
 __all__ = ["LossScaler"]
 
 #: TensorFlow's `LossScaler` methods that work inside a TensorFlow step
-#: (stateful, with a tape); on JAX their place is `model.loss_scaling()`.
+#: (stateful, with a tape); on JAX and torch their place is `model.loss_scaling()`.
 _TENSORFLOW_STEP_METHODS = (
     "apply_gradients",
     "build",
@@ -53,7 +51,7 @@ def _variables(settings: _scale_state.ScaleSettings) -> dict[str, Any]:
 
 
 class LossScaler(ScaleConfig):
-    """The loss scale of a JAX `MixedPrecisionModel`: dynamic by default,
+    """The loss scale of a JAX or torch `MixedPrecisionModel`: dynamic by default,
     fixed with `LossScaler.fixed(s)`, none with `LossScaler.disabled()`
     (non-finite steps are skipped in every case).
 
@@ -145,7 +143,7 @@ class LossScaler(ScaleConfig):
         """The state machine's variables as Python numbers, in one host
         read, keyed by the names in `STATE_VARIABLES`."""
         names = [spec.name for spec in _scale_state.STATE_VARIABLES]
-        read = jax.device_get([self._variables[name].value for name in names])
+        read = [keras.ops.convert_to_numpy(self._variables[name].value) for name in names]
         return {
             name: int(value) if name in _scale_state.COUNTERS else float(value)
             for name, value in zip(names, read)
@@ -195,10 +193,15 @@ class LossScaler(ScaleConfig):
 
     def __getattr__(self, name: str) -> Any:
         if name in _TENSORFLOW_STEP_METHODS:
+            where = (
+                "use model.loss_scaling(non_trainable_variables) of a MixedPrecisionModel "
+                "(scale, unscale, check, keep_if_skipped, finish)"
+                if BACKEND == "jax"
+                else "use model.loss_scaling() of a MixedPrecisionModel (scale, unscale, check, "
+                "apply_if_finite, finish)"
+            )
             raise BackendNotSupportedError(
-                f"LossScaler.{name} runs inside a TensorFlow step and Keras's backend is 'jax', "
-                "whose step is stateless: inside your own train_step, use "
-                "model.loss_scaling(non_trainable_variables) of a MixedPrecisionModel "
-                "(scale, unscale, check, keep_if_skipped, finish)."
+                f"LossScaler.{name} runs inside a TensorFlow step and Keras's backend is "
+                f"{BACKEND!r}: inside your own train_step, {where}."
             )
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")

@@ -1,8 +1,9 @@
-"""`mp-callbacks` on Keras's JAX backend: doctor, bench and tune measure
-there."""
+"""`mp-callbacks` on Keras's JAX and torch backends: doctor, bench and tune
+measure there."""
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import keras
@@ -10,22 +11,25 @@ import pytest
 
 from mp_callbacks_bench.cli import main
 
-pytestmark = pytest.mark.skipif(keras.backend.backend() != "jax", reason="the JAX backend's tests")
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() not in ("jax", "torch"), reason="the JAX and torch backends' tests"
+)
+BACKEND = keras.backend.backend()
+FRAMEWORK = {"jax": "JAX", "torch": "PyTorch"}.get(BACKEND, "")
 
 
-def test_doctor_reports_the_jax_backend_and_its_version(capsys):
-    import jax
-
+def test_doctor_reports_the_backend_and_its_version(capsys):
+    version = str(importlib.import_module(BACKEND).__version__)
     assert main(["doctor", "--no-probe", "--json"]) == 0
     document = json.loads(capsys.readouterr().out)
-    assert document["backend"] == "jax" and document["backend_version"] == jax.__version__
-    assert document["versions"]["jax"] == jax.__version__ and "tensorflow" not in document["versions"]
+    assert document["backend"] == BACKEND and document["backend_version"] == version
+    assert document["versions"][BACKEND] == version and "tensorflow" not in document["versions"]
     assert document["recommended_policy"] in ("float32", "mixed_float16", "mixed_bfloat16")
     assert main(["doctor", "--no-probe"]) == 0
-    assert capsys.readouterr().out.startswith(f"JAX {jax.__version__}, Keras")
+    assert capsys.readouterr().out.startswith(f"{FRAMEWORK} {version}, Keras")
 
 
-def test_tune_measures_its_plan_on_jax(tmp_path, capsys):
+def test_tune_measures_its_plan_on_this_backend(tmp_path, capsys):
     path = tmp_path / "plan.json"
     argv = ["tune", "--quick", "--train-samples", "256", "--steps", "5", "--policies", "mixed_bfloat16"]
     assert main([*argv, "--json", str(path)]) == 0
@@ -37,7 +41,7 @@ def test_tune_measures_its_plan_on_jax(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
-def test_a_bench_run_trains_and_reports_on_jax(policy):
+def test_a_bench_run_trains_and_reports_on_this_backend(policy):
     from mp_callbacks_bench.runner import run_policy
     from mp_callbacks_bench.settings import BenchSettings
 

@@ -12,7 +12,9 @@ from scale_cases import LOSS_SCALE_REFUSALS, REFUSALS, UNREPRESENTABLE
 import mp_callbacks as mp
 from mp_callbacks import LossScaler
 
-pytestmark = pytest.mark.skipif(keras.backend.backend() != "jax", reason="the JAX backend's tests")
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() not in ("jax", "torch"), reason="the JAX and torch backends' tests"
+)
 
 
 def _model(loss_scale):
@@ -45,7 +47,7 @@ def test_refusals_say_what_tensorflows_say(kwargs, message):
 
 @pytest.mark.parametrize("value, error, message", LOSS_SCALE_REFUSALS)
 def test_loss_scale_arguments_are_refused_as_on_tensorflow(value, error, message):
-    from mp_callbacks.backends.jax.model import scaler_from_argument
+    from mp_callbacks.backends.common.model import scaler_from_argument
 
     with pytest.raises(error) as caught:
         scaler_from_argument(value, owner="Owner")
@@ -124,7 +126,10 @@ def test_save_and_load_keep_the_settings_and_the_state(tmp_path):
 
 @pytest.mark.parametrize("method", ["scale", "unscale", "apply_gradients", "update", "check_gradients"])
 def test_the_tensorflow_step_methods_name_the_backend_and_the_alternative(method):
-    with pytest.raises(mp.BackendNotSupportedError, match=rf"LossScaler\.{method} .*'jax'.*loss_scaling"):
+    with pytest.raises(
+        mp.BackendNotSupportedError,
+        match=rf"LossScaler\.{method} .*'{keras.backend.backend()}'.*loss_scaling",
+    ):
         getattr(LossScaler(), method)
     with pytest.raises(AttributeError):
         LossScaler().no_such_thing  # noqa: B018

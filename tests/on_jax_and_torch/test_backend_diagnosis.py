@@ -1,10 +1,9 @@
-"""diagnose_batch on Keras's JAX backend: the same report as on TensorFlow,
-its backward figures from jax.grad at zero probes, and no variable changed."""
+"""diagnose_batch on Keras's JAX and torch backends: the same report as on
+TensorFlow, its backward figures from the gradients at zero probes
+(`jax.grad`, `torch.autograd.grad`), and no variable changed."""
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import keras
 import numpy as np
 import pytest
@@ -12,7 +11,9 @@ import pytest
 import mp_callbacks as mp
 
 pytestmark = [
-    pytest.mark.skipif(keras.backend.backend() != "jax", reason="the JAX backend's tests"),
+    pytest.mark.skipif(
+        keras.backend.backend() not in ("jax", "torch"), reason="the JAX and torch backends' tests"
+    ),
     # Tiny float16 layers; compile's check_model hint about their sizes is expected.
     pytest.mark.filterwarnings("ignore:check_model found:mp_callbacks.errors.MixedPrecisionWarning"),
 ]
@@ -26,15 +27,36 @@ class Rescale(keras.layers.Layer):
         return x * 300.0 * 300.0 / 90000.0
 
 
-@jax.custom_vjp
-def _amplified_identity(x):
-    return x
+def _amplified_identity_op():
+    """The identity whose backward pass multiplies the gradient by 1e9, in
+    the backend's own way of defining a gradient."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        @jax.custom_vjp
+        def identity(x):
+            return x
+
+        identity.defvjp(
+            lambda x: (x, None),
+            lambda _, upstream: ((upstream.astype("float32") * 1e9).astype(upstream.dtype),),
+        )
+        return identity
+    import torch
+
+    class AmplifiedIdentity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, upstream):
+            return (upstream.float() * 1e9).to(upstream.dtype)
+
+    return AmplifiedIdentity.apply
 
 
-_amplified_identity.defvjp(
-    lambda x: (x, None),
-    lambda _, upstream: ((upstream.astype("float32") * 1e9).astype(upstream.dtype),),
-)
+_amplified_identity = _amplified_identity_op()
 
 
 class AmplifyGradient(keras.layers.Layer):
@@ -110,11 +132,11 @@ def test_the_figures_are_the_layers_own_values_and_gradients():
     report = mp.diagnose_batch(model, x, y, loss_scale=8.0)
     kernel, bias = (v.numpy() for v in model.get_layer("only").weights)
 
-    def loss(x, kernel, bias, probe):
-        return jnp.mean((x @ kernel + bias + probe - y) ** 2)
-
-    grads = jax.grad(loss, argnums=(0, 1, 2, 3))(x, kernel, bias, jnp.zeros((5, 2)))
-    expected = max(float(jnp.max(jnp.abs(g))) for g in grads)
+    # The gradients of mean((x @ kernel + bias - y) ** 2) at x, the
+    # weights and the output, by hand.
+    upstream = 2.0 * (x @ kernel + bias - y) / y.size
+    grads = [upstream @ kernel.T, x.T @ upstream, upstream.sum(axis=0), upstream]
+    expected = max(float(np.max(np.abs(g))) for g in grads)
     assert report.gradient_max["only"] == pytest.approx(expected, rel=1e-5)
     assert report.activation_max["only"] == pytest.approx(float(np.max(np.abs(x @ kernel + bias))), rel=1e-5)
     assert report.loss == pytest.approx(float(model.evaluate(x, y, verbose=0)), rel=1e-5)

@@ -10,7 +10,9 @@ from test_autotune import _data, healthy_model, overflowing_model, variance_mode
 
 import mp_callbacks as mp
 
-pytestmark = pytest.mark.skipif(keras.backend.backend() != "jax", reason="the JAX backend's tests")
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() not in ("jax", "torch"), reason="the JAX and torch backends' tests"
+)
 
 
 @pytest.mark.parametrize("in_subprocess", [False, True], ids=["here", "subprocess"])

@@ -1,0 +1,78 @@
+"""`MixedPrecisionModel` on Keras's PyTorch backend.
+
+The loss scale's state lives in variables of the model
+(`backends/common/model.py`), saved with the weights. A step runs the
+forward pass with its writes kept aside, calls `backward()` on the scaled
+loss, unscales the gradients once, checks them in one pass, reads the
+decision on the host once, and only then writes: the optimizer's update
+and the forward pass's writes (BatchNormalization's statistics, seed
+states) where it applies, nothing where it is skipped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mp_callbacks._backend import keras
+from mp_callbacks._keras_internals import call_has_training_arg, compute_loss, loss_tracker
+from mp_callbacks._model_building import LOG_KEYS
+from mp_callbacks.backends.common.model import VariableScaleModel, scaler_from_argument
+from mp_callbacks.backends.torch import step as torch_step
+
+__all__ = ["LOG_KEYS", "MixedPrecisionModel", "scaler_from_argument"]
+
+
+@keras.saving.register_keras_serializable(package="mp_callbacks")
+class MixedPrecisionModel(VariableScaleModel):
+    """A `keras.Model` whose step scales the loss, skips non-finite steps
+    (leaving every variable as it was) and reports `loss_scale`,
+    `grad_norm` and `skipped_steps` in the training logs; on PyTorch.
+
+    Args:
+        loss_scale: "auto" (the default: a dynamic scale when the model
+            computes in float16, none otherwise), a `LossScaler` (or its
+            config dict), a number (a fixed scale), or None (no scaling;
+            non-finite steps are still skipped).
+    """
+
+    def loss_scaling(self) -> torch_step.LossScaling:
+        """The loss scale for one torch step (see `LossScaling`): what this
+        model's own `train_step` uses, and yours can (a GAN's two
+        optimizers)."""
+        if self._mp_settings is None:
+            raise RuntimeError("MixedPrecisionModel must be compiled before training.")
+        if isinstance(getattr(self, "optimizer", None), keras.optimizers.LossScaleOptimizer):
+            raise RuntimeError(
+                f"{type(self).__name__}.loss_scaling(): self.optimizer is Keras's LossScaleOptimizer, "
+                "which scales and unscales on its own; scaling with loss_scaling() as well would "
+                "unscale twice. Compile with auto_scale_loss=False to scale with loss_scaling()."
+            )
+        return torch_step.LossScaling(
+            self._mp_settings, {**self._mp_state, **self._mp_epoch, **self._mp_counts}
+        )
+
+    def train_step(self, data: Any) -> dict[str, Any]:
+        """Keras's torch step, loss-scaled and skipped as one: check once,
+        decide once (one host read), write or keep, update the scale's state."""
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        scaling = self.loss_scaling()
+        with scaling.forward() as forward:
+            y_pred = self(x, training=True) if call_has_training_arg(self) else self(x)
+            self.zero_grad()
+            loss = compute_loss(self, x, y, y_pred, sample_weight)
+        batch_size = next(t for t in keras.tree.flatten(x) if t is not None).shape[0]
+        loss_tracker(self).update_state(loss, sample_weight=batch_size)
+        weights = self.trainable_weights[:]
+        if weights:
+            scaling.scale(loss).backward()
+        grads = scaling.unscale([w.value.grad for w in weights])
+        outcome = scaling.check(grads, loss)
+        scaling.apply_if_finite(outcome, self.optimizer, grads, weights)
+        scaling.commit(outcome, forward)
+        if not scaling.applies(outcome):
+            # A copy of the counter (the scale's update writes it in place): no host read.
+            self.keep_skipped_batch((x, y, sample_weight), self._mp_state["step_count"].value.clone())
+        logs = scaling.finish(outcome, batch_size)
+        return {**self.compute_metrics(x, y, y_pred, sample_weight=sample_weight), **logs}
+
+    _mp_default_train_step = train_step

@@ -1,0 +1,114 @@
+"""The loss-scaled step on Keras's PyTorch backend.
+
+Keras's torch step is stateful: the forward pass writes BatchNormalization's
+statistics and seed states, and the optimizer writes the weights, slots and
+`iterations` in place (also inside `stateless_apply`). A skipped step must
+write none of them, so nothing is written before the decision: the forward
+pass runs in a scope that keeps its writes aside (`LossScaling.forward`),
+one host read of the finite flag decides (the step's one sync, as in
+`torch.amp.GradScaler`), and only an applied step runs the optimizer and
+commits the forward pass's writes. A skipped step costs no copy of any
+state; a healthy one, one boolean read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from mp_callbacks import _scale_state
+from mp_callbacks._backend import keras
+from mp_callbacks._gradient_check import check_gradients_on_host, nonfinite_flag
+from mp_callbacks._keras_internals import deferring_stateless_scope
+from mp_callbacks.backends.common.step import StepOutcome, finished_state, scale_loss, unscale
+
+__all__ = ["LossScaling", "StepOutcome"]
+
+
+class LossScaling:
+    """The loss scale inside one torch step of a `MixedPrecisionModel`:
+    its own step, or a `train_step` of yours (`model.loss_scaling()`).
+
+    Run the forward pass and the loss in `forward()`, call `backward()` on
+    `scale(loss)`, unscale the gradients once, `check` all of the step's
+    gradients once, `apply_if_finite` each optimizer (the first call reads
+    the decision on the host, the others reuse it), `commit` the forward
+    pass's writes, and `finish`: the scale's next state and the logs. Two
+    optimizers (a GAN's) share the one scale and the one decision.
+    """
+
+    def __init__(self, settings: _scale_state.ScaleSettings, variables: dict[str, Any]) -> None:
+        self._settings = settings
+        self._variables = variables
+        #: The scale this step multiplies by (a float32 scalar).
+        self.value = variables["scale"].value
+        #: False for a fixed scale of 1: nothing is multiplied.
+        self.active = settings.is_dynamic or settings.initial_scale != 1.0
+        self._decisions: dict[int, bool] = {}
+
+    @contextmanager
+    def forward(self) -> Iterator[Any]:
+        """A scope for the forward pass and the loss: the variables it
+        assigns (BatchNormalization's statistics, seed states) keep their
+        values until `commit`; reads in the scope see the new ones. Layer
+        losses (`add_loss`, activity regularizers) are kept as usual."""
+        with deferring_stateless_scope() as scope:
+            yield scope
+
+    def scale(self, loss: Any) -> Any:
+        """The loss to call `backward()` on: times the scale, in float32."""
+        return scale_loss(loss, self.value) if self.active else loss
+
+    def unscale(self, grads: Sequence[Any]) -> list[Any]:
+        """The gradients of a scaled loss, divided by the scale once."""
+        return unscale(grads, self.value) if self.active else list(grads)
+
+    def check(self, grads: Sequence[Any], losses: Any) -> StepOutcome:
+        """The step's one decision, over all its (unscaled) gradients and
+        its loss or losses: applied only if every gradient is finite. Its
+        host read is the step's one sync (`applies` reuses it)."""
+        checked, finite = check_gradients_on_host(list(grads))
+        flags = keras.ops.concatenate([checked.flags, keras.ops.expand_dims(nonfinite_flag(losses), 0)])
+        outcome = StepOutcome(checked.all_finite, flags, checked.global_norm)
+        self._decisions[id(outcome.applied)] = finite
+        return outcome
+
+    def applies(self, outcome: StepOutcome) -> bool:
+        """Whether the step applies, as `check` read it (no further host read)."""
+        key = id(outcome.applied)
+        if key not in self._decisions:  # an outcome of another LossScaling's check
+            self._decisions[key] = bool(outcome.applied)
+        return self._decisions[key]
+
+    def apply_if_finite(
+        self, outcome: StepOutcome, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any]
+    ) -> bool:
+        """`optimizer.apply(grads, variables)` where the step applies;
+        nothing (no weight, slot or `iterations` written) where it is
+        skipped. Returns whether it applied."""
+        applied = self.applies(outcome)
+        if applied:
+            with torch.no_grad():
+                optimizer.apply(list(grads), list(variables))
+        return applied
+
+    def commit(self, outcome: StepOutcome, forward: Any) -> None:
+        """Writes what the forward pass assigned in `forward()`, where the
+        step applies; a skipped step leaves those variables as they were."""
+        if self.applies(outcome):
+            with torch.no_grad():
+                for variable, value in forward.writes():
+                    variable.assign(value)
+
+    def finish(self, outcome: StepOutcome, batch_size: int) -> dict[str, Any]:
+        """Writes the scale's next state and this epoch's figures; returns
+        the logs' `loss_scale`, `grad_norm` and `skipped_steps`."""
+        values = {name: variable.value for name, variable in self._variables.items()}
+        with torch.no_grad():
+            after, logs = finished_state(self._settings, values, outcome, batch_size)
+            for name, value in after.items():
+                self._variables[name].assign(value)
+        return logs

@@ -1,0 +1,446 @@
+"""MixedPrecisionModel on Keras's JAX and torch backends: the scale, the
+exact skip and the logs, in an install without TensorFlow; the same tests
+on both backends (each backend's own step in `on_jax`, `on_torch`)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scale_reference import ReferenceLossScale, configs
+
+import mp_callbacks as mp
+from mp_callbacks import _scale_state
+from mp_callbacks.backends.common import step as common_step
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() not in ("jax", "torch"), reason="the JAX and torch backends' tests"
+)
+
+OURS = "mp_loss_scale_"
+
+
+def _data(n=32, features=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, features)).astype("float32"), rng.normal(size=(n, 1)).astype("float32")
+
+
+def _functional(cls=keras.Model, batch_norm=True, dropout=True, **kwargs):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(8)(inputs)
+    if batch_norm:
+        h = keras.layers.BatchNormalization()(h)
+    if dropout:
+        h = keras.layers.Dropout(0.2)(h)
+    outputs = keras.layers.Dense(1, dtype="float32")(h)
+    return cls(inputs, outputs, **kwargs)
+
+
+def _state(model):
+    """Every variable of the model and its optimizer but the scale's own,
+    by path, as NumPy values."""
+    variables = list(model.variables) + list(model.optimizer.variables)
+    return {v.path: np.array(v.numpy()) for v in variables if OURS not in v.path}
+
+
+def _values(model):
+    """The same, in order (paths differ between two models' names)."""
+    return list(_state(model).values())
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_a_nan_batch_leaves_every_variable_bit_for_bit_as_it_was(policy):
+    keras.mixed_precision.set_global_policy(policy)
+    model = _functional(mp.MixedPrecisionModel)
+    model.compile(keras.optimizers.Adam(1e-3, use_ema=True), "mse")
+    x, y = _data()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    before = _state(model)
+    assert any("moving_mean" in path for path in before)
+    assert any("seed_generator" in path for path in before)
+    assert any("average" in path for path in before)  # EMA copies
+    bad = x[:8].copy()
+    bad[3, 1] = np.nan
+    history = model.fit(bad, y[:8], batch_size=8, epochs=1, verbose=0).history
+    after = _state(model)
+    assert after.keys() == before.keys()
+    changed = [path for path in before if not np.array_equal(before[path], after[path], equal_nan=True)]
+    assert changed == []
+    assert history["skipped_steps"] == [1.0]
+    assert math.isnan(history["grad_norm"][0])  # no applied step this epoch
+    # A finite batch then trains again.
+    model.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0)
+    assert any(not np.array_equal(after[p], v) for p, v in _state(model).items())
+
+
+def test_float32_training_equals_stock_keras_to_the_last_digit():
+    x, y = _data()
+    trained = {}
+    for cls in (keras.Model, mp.MixedPrecisionModel):
+        model = _functional(cls)
+        model.compile(keras.optimizers.Adam(1e-2), "mse")
+        keras.utils.set_random_seed(7)
+        losses = model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False).history["loss"]
+        trained[cls] = (_state(model), losses)
+    stock, ours = trained[keras.Model], trained[mp.MixedPrecisionModel]
+    assert ours[1] == stock[1]
+    assert len(ours[0]) == len(stock[0])
+    for (path, value), mine in zip(stock[0].items(), ours[0].values()):
+        np.testing.assert_array_equal(mine, value, err_msg=path)
+
+
+def test_the_logged_norm_is_the_gradients_norm():
+    # Plain SGD moves the weights by lr * gradient: the moved distance over
+    # lr is the norm the step must log.
+    model = _functional(mp.MixedPrecisionModel, batch_norm=False, dropout=False)
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    x, y = _data(8)
+    before = [v.numpy() for v in model.trainable_variables]
+    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0).history
+    moved = math.sqrt(
+        sum(float(np.sum((v.numpy() - b) ** 2)) for v, b in zip(model.trainable_variables, before))
+    )
+    assert history["grad_norm"][0] == pytest.approx(moved / 0.01, rel=1e-4)
+    assert history["skipped_steps"] == [0.0]
+    assert history["loss_scale"] == [1.0]  # float32: "auto" scales nothing
+
+
+def test_a_dynamic_scale_backs_off_where_float16_overflows_and_then_trains():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = _functional(
+        mp.MixedPrecisionModel, loss_scale={"initial_scale": 2.0**24, "growth_interval": 1000}
+    )
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    x, y = _data(128)  # 2**24 times these gradients overflows float16
+    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0).history
+    state = model.loss_scale_state()
+    assert 1 <= state["skipped_steps"] < 16
+    assert state["scale"] == 2.0 ** (24 - state["skipped_steps"])
+    assert history["skipped_steps"] == [float(state["skipped_steps"])]
+    assert history["loss_scale"] == [state["scale"]]
+    assert state["step_count"] == 16
+    # The first steps overflow until the scale fits (calibration); on torch
+    # a step or two later may overflow again as the gradients grow.
+    assert 1 <= state["calibration_steps"] <= state["skipped_steps"]
+    if keras.backend.backend() == "jax":
+        assert state["calibration_steps"] == state["skipped_steps"]
+
+
+def test_auto_scales_under_float16_only_and_can_be_turned_off():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = _functional(mp.MixedPrecisionModel)
+    model.compile("sgd", "mse")
+    assert model.get_scale() == 2.0**15
+    unscaled = _functional(mp.MixedPrecisionModel)
+    unscaled.compile("sgd", "mse", auto_scale_loss=False)
+    assert unscaled.get_scale() == 1.0
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    bf16 = _functional(mp.MixedPrecisionModel)
+    bf16.compile("sgd", "mse")
+    assert bf16.get_scale() == 1.0
+
+
+def test_a_keras_loss_scale_optimizer_is_unwrapped_and_its_scale_adopted():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = _functional(mp.MixedPrecisionModel)
+    inner = keras.optimizers.SGD(0.01)
+    model.compile(keras.optimizers.LossScaleOptimizer(inner, initial_scale=256.0), "mse")
+    assert model.optimizer is inner
+    assert model.get_scale() == 256.0
+
+
+def test_save_and_load_keep_the_scale(tmp_path):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = _functional(
+        mp.MixedPrecisionModel, loss_scale={"initial_scale": 2.0**24, "growth_interval": 1000}
+    )
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    x, y = _data(64)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert type(loaded).__name__ == "MixedPrecisionModel"
+    assert loaded.loss_scale_state() == model.loss_scale_state()
+    for a, b in zip(model.weights, loaded.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert loaded.predict(x[:4], verbose=0).shape == (4, 1)
+
+
+def test_from_model_shares_the_layers_and_follows_the_global_policy():
+    keras.utils.set_random_seed(3)
+    stock = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    wrapped = mp.MixedPrecisionModel.from_model(stock)
+    assert wrapped.layers[1] is stock.layers[0]
+    assert stock.layers[0].compute_dtype == "float16"
+    assert stock.layers[-1].compute_dtype == "float32"  # the output stays float32
+    wrapped.compile("sgd", "mse")
+    assert wrapped.get_scale() == 2.0**15
+    with pytest.raises(ValueError, match="known inputs and outputs"):
+        mp.MixedPrecisionModel.from_model(keras.Sequential([keras.layers.Dense(1)]))
+
+
+def test_bad_arguments_name_the_argument_and_the_value():
+    with pytest.raises(ValueError, match=r"`loss_scale`.*received loss_scale='dynamic'"):
+        _functional(mp.MixedPrecisionModel, loss_scale="dynamic")
+    with pytest.raises(ValueError, match=r"loss_scale=0\.0"):
+        _functional(mp.MixedPrecisionModel, loss_scale=0.0)
+    with pytest.raises(ValueError, match="growth_interval"):
+        _functional(mp.MixedPrecisionModel, loss_scale={"growth_interval": 0})
+    with pytest.raises(TypeError, match="loss_scale"):
+        _functional(mp.MixedPrecisionModel, loss_scale=[2.0])
+
+
+_OUTCOMES = st.sampled_from(["finite", "overflow", "bad_loss"])
+
+
+@settings(max_examples=30, deadline=None)
+@given(config=configs(), outcomes=st.lists(_OUTCOMES, min_size=1, max_size=20))
+def test_the_shared_state_machine_matches_the_reference_on_this_backend(config, outcomes):
+    settings_ = _scale_state.ScaleSettings.checked(**config)
+    reference = ReferenceLossScale(**config)
+    state = {
+        name: keras.ops.convert_to_tensor(value, spec.dtype)
+        for spec in _scale_state.STATE_VARIABLES
+        for name, value in [(spec.name, _scale_state.initial_values(settings_)[spec.name])]
+    }
+    for outcome in outcomes:
+        grads = [keras.ops.convert_to_tensor([1.0, math.inf if outcome == "overflow" else 2.0])]
+        loss = keras.ops.convert_to_tensor(math.nan if outcome == "bad_loss" else 1.0)
+        if outcome == "bad_loss":
+            grads = [keras.ops.convert_to_tensor([math.nan, 1.0])]
+        checked = common_step.check(grads, loss)
+        assert bool(checked.applied) is (outcome == "finite")
+        new = _scale_state.transition(settings_, state, checked.flags, checked.applied)
+        state = {name: new[name] for name in state}
+        reference.step(outcome == "finite", outcome != "bad_loss")
+        assert float(state["scale"]) == float(reference.scale)
+        assert int(state["good_steps"]) == reference.good_steps
+        assert int(state["hysteresis_left"]) == reference.hysteresis_left
+    assert int(state["skipped_steps"]) == reference.skipped
+    assert int(state["step_count"]) == len(outcomes)
+
+
+def _optimizer_classes():
+    """Every optimizer Keras offers, but the wrappers of other optimizers
+    (the loss-scaling one, and MultiOptimizer where Keras has it)."""
+    wrappers = {"Optimizer", "LossScaleOptimizer", "MultiOptimizer"}
+    classes = []
+    for name in dir(keras.optimizers):
+        cls = getattr(keras.optimizers, name)
+        if isinstance(cls, type) and issubclass(cls, keras.optimizers.Optimizer) and name not in wrappers:
+            classes.append(cls)
+    return classes
+
+
+_OPTIMIZERS = _optimizer_classes()
+
+
+def test_the_sweep_covers_every_optimizer_keras_offers():
+    names = {cls.__name__ for cls in _OPTIMIZERS}
+    assert {"SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Lion", "Nadam", "Ftrl"} <= names
+    assert len(names) >= 13
+
+
+@pytest.mark.parametrize("optimizer_class", _OPTIMIZERS, ids=lambda cls: cls.__name__)
+def test_every_optimizer_trains_as_stock_in_float32_and_skips_exactly(optimizer_class):
+    x, y = _data(16)
+    trained = []
+    for cls in (keras.Model, mp.MixedPrecisionModel):
+        model = _functional(cls)
+        model.compile(optimizer_class(learning_rate=0.01), "mse")
+        keras.utils.set_random_seed(5)
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+        trained.append(model)
+    stock, ours = (_values(m) for m in trained)
+    assert len(ours) == len(stock)
+    if optimizer_class.__name__ == "Adagrad":
+        # XLA compiles Adagrad's g * g differently once the check reads the
+        # gradients too: its accumulators land an ulp off stock, and a
+        # bias whose gradient is rounding noise (BatchNormalization removes
+        # the mean) follows. Known, and in the backends page.
+        for a, b in zip(ours, stock):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
+    else:
+        for a, b in zip(ours, stock):
+            np.testing.assert_array_equal(a, b)
+    before = _state(trained[1])
+    bad = x[:8].copy()
+    bad[0, 0] = np.inf
+    history = trained[1].fit(bad, y[:8], batch_size=8, epochs=1, verbose=0).history
+    after = _state(trained[1])
+    assert [p for p in before if not np.array_equal(before[p], after[p])] == []
+    assert history["skipped_steps"] == [1.0]
+
+
+def _conv_model(cls):
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((6, 6, 2))
+    h = keras.layers.RandomFlip()(inputs)
+    h = keras.layers.Conv2D(4, 3)(h)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    h = keras.layers.LayerNormalization()(h)
+    return cls(inputs, keras.layers.Dense(1, dtype="float32")(h))
+
+
+def _text_model(cls):
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(11, 4)(inputs)
+    h = keras.layers.GRU(4, dropout=0.1)(h)
+    return cls(inputs, keras.layers.Dense(1, dtype="float32")(h))
+
+
+@pytest.mark.parametrize("build", [_conv_model, _text_model], ids=["conv", "text"])
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16", "mixed_bfloat16"])
+def test_layers_with_state_of_their_own_skip_exactly_and_float32_equals_stock(build, policy):
+    keras.mixed_precision.set_global_policy(policy)
+    rng = np.random.default_rng(1)
+    if build is _conv_model:
+        x = rng.normal(size=(16, 6, 6, 2)).astype("float32")
+    else:
+        x = rng.integers(0, 11, size=(16, 5)).astype("int32")
+    y = rng.normal(size=(16, 1)).astype("float32")
+    models = []
+    for cls in (keras.Model, mp.MixedPrecisionModel):
+        model = build(cls)
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+        keras.utils.set_random_seed(9)
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+        models.append(model)
+    if policy == "float32":
+        for a, b in zip(_values(models[0]), _values(models[1])):
+            np.testing.assert_array_equal(a, b)
+    ours = models[1]
+    before = _state(ours)
+    # A non-finite target: the loss and every gradient are NaN.
+    history = ours.fit(x[:8], np.full((8, 1), np.nan, "float32"), batch_size=8, verbose=0).history
+    after = _state(ours)
+    assert [p for p in before if not np.array_equal(before[p], after[p])] == []
+    assert history["skipped_steps"] == [1.0]
+    assert ours.loss_scale_state()["nonfinite_loss_steps"] == 1
+
+
+def test_the_first_compile_warns_what_check_model_finds_once():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(3, activation="softmax")(keras.layers.Dense(8)(inputs))
+    model = mp.MixedPrecisionModel(inputs, outputs)
+    findings = mp.check_model(model)
+    assert [f.kind for f in findings] == ["output_dtype"]
+    with pytest.warns(
+        mp.MixedPrecisionWarning, match=r"(?s)check_model found 1 .*softmax is computed in float16"
+    ):
+        model.compile("sgd", "sparse_categorical_crossentropy")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mp.MixedPrecisionWarning)
+        model.compile("sgd", "sparse_categorical_crossentropy")
+
+
+def test_a_loaded_model_is_compiled_and_keeps_training(tmp_path):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = _functional(mp.MixedPrecisionModel)
+    model.compile(keras.optimizers.Adam(1e-3), "mse")
+    x, y = _data(16)
+    model.fit(x, y, batch_size=8, verbose=0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded.compiled
+    assert int(loaded.optimizer.iterations.numpy()) == int(model.optimizer.iterations.numpy())
+    history = loaded.fit(x, y, batch_size=8, verbose=0).history
+    assert set(mp.LOG_KEYS) <= set(history)
+
+
+def _trained_mixed_model():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = _functional(mp.MixedPrecisionModel, dropout=False)
+    model.compile(keras.optimizers.Adam(1e-2), "mse")
+    x, y = _data(32)
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    return model, x
+
+
+def test_weights_load_into_a_plain_keras_model_for_serving(tmp_path):
+    model, x = _trained_mixed_model()
+    path = str(tmp_path / "served.weights.h5")
+    model.save_weights(path)
+    served = _functional(keras.Model, dropout=False)
+    served.load_weights(path)
+    assert len(served.weights) == len(model.weights)  # the scale is kept apart
+    for a, b in zip(served.weights, model.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    np.testing.assert_array_equal(served.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
+def test_float32_copy_computes_in_float32_and_leaves_the_original_working():
+    model, x = _trained_mixed_model()
+    before = model.predict(x, verbose=0)
+    copy = mp.float32_copy(model)
+    assert all(layer.compute_dtype == "float32" for layer in copy.layers[1:])
+    keras.mixed_precision.set_global_policy("float32")
+    reference = _functional(keras.Model, dropout=False)
+    reference.set_weights([w.numpy() for w in model.weights])
+    np.testing.assert_array_equal(copy.predict(x, verbose=0), reference.predict(x, verbose=0))
+    # Its buffers are its own: the original still predicts (and trains).
+    np.testing.assert_array_equal(model.predict(x, verbose=0), before)
+    model.fit(x, x[:, :1], batch_size=8, verbose=0)
+
+
+def test_with_float32_layers_keeps_the_named_layer_in_float32():
+    model, x = _trained_mixed_model()
+    batch_norm = next(
+        layer.name for layer in model.layers if isinstance(layer, keras.layers.BatchNormalization)
+    )
+    adapted = mp.with_float32_layers(model, [batch_norm])
+    dtypes = {layer.name: layer.compute_dtype for layer in adapted.layers[1:]}
+    assert dtypes[batch_norm] == "float32"
+    assert sorted(set(dtypes.values())) == ["float16", "float32"]
+    adapted.compile("sgd", "mse")
+    history = adapted.fit(x, x[:, :1], batch_size=8, verbose=0).history
+    assert set(mp.LOG_KEYS) <= set(history)
+
+
+#: Every feature Keras's optimizers offer on top of the update itself.
+_OPTIMIZER_FEATURES = {
+    "gradient_accumulation": {"gradient_accumulation_steps": 2},
+    "ema": {"use_ema": True, "ema_overwrite_frequency": 3},
+    "clipnorm": {"clipnorm": 0.1},
+    "global_clipnorm": {"global_clipnorm": 0.1},
+    "clipvalue": {"clipvalue": 0.01},
+    "weight_decay": {"weight_decay": 0.05},
+    "schedule": {"learning_rate": keras.optimizers.schedules.ExponentialDecay(0.01, 2, 0.5)},
+}
+
+
+@pytest.mark.parametrize("feature", sorted(_OPTIMIZER_FEATURES))
+def test_every_optimizer_feature_trains_as_stock_and_a_skip_keeps_its_state(feature):
+    x, y = _data(24)
+    trained = []
+    for cls in (keras.Model, mp.MixedPrecisionModel):
+        model = _functional(cls)
+        model.compile(keras.optimizers.Adam(**{"learning_rate": 0.01, **_OPTIMIZER_FEATURES[feature]}), "mse")
+        keras.utils.set_random_seed(5)
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)  # 3 steps: mid-accumulation
+        trained.append(model)
+    stock, ours = (_values(m) for m in trained)
+    assert len(ours) == len(stock)
+    for a, b in zip(ours, stock):
+        np.testing.assert_array_equal(a, b)
+    before = _state(trained[1])
+    if feature == "gradient_accumulation":
+        assert any("gradient_accumulator" in p and np.any(v) for p, v in before.items())
+    bad = x[:8].copy()
+    bad[0, 0] = np.nan
+    history = trained[1].fit(bad, y[:8], batch_size=8, epochs=1, verbose=0).history
+    after = _state(trained[1])
+    assert [p for p in before if not np.array_equal(before[p], after[p])] == []
+    assert history["skipped_steps"] == [1.0]

@@ -1,0 +1,244 @@
+"""MixedPrecisionModel on Keras's PyTorch backend: what is torch's own (the
+backend-neutral tests are in `on_jax_and_torch`): no TensorFlow or JAX in
+the install, one host read per step, the keras-io torch step as safe as
+stock, and `loss_scaling()` for a step of your own."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import mp_callbacks as mp
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.skipif(keras.backend.backend() != "torch", reason="the torch backend's tests")
+
+OURS = "mp_loss_scale_"
+#: What turns a tensor into a Python value: on a GPU, each waits for the device.
+HOST_READS = ("__bool__", "__float__", "__int__", "__index__", "item", "tolist", "numpy", "cpu")
+
+
+def _data(n=32, features=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, features)).astype("float32"), rng.normal(size=(n, 1)).astype("float32")
+
+
+def _functional(cls=keras.Model, batch_norm=True, **kwargs):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(8)(inputs)
+    if batch_norm:
+        h = keras.layers.BatchNormalization()(h)
+    outputs = keras.layers.Dense(1, dtype="float32")(h)
+    return cls(inputs, outputs, **kwargs)
+
+
+def _state(model):
+    variables = list(model.variables) + list(model.optimizer.variables)
+    return {v.path: np.array(v.numpy()) for v in variables if OURS not in v.path}
+
+
+@contextlib.contextmanager
+def _counted_host_reads():
+    """Counts the calls that read a tensor's value on the host."""
+    count = [0]
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def counting(original):
+        def read(self, *args, **kwargs):
+            count[0] += 1
+            return original(self, *args, **kwargs)
+
+        return read
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counting(original))
+    try:
+        yield count
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def _host_reads_per_step(model, x, y):
+    model.fit(x, y, batch_size=len(x), verbose=0)  # builds the optimizer and the step
+    model.make_train_function()
+    step = model.train_function
+    counts = []
+    for batch in (x, np.where(np.arange(x.size).reshape(x.shape) == 0, np.nan, x).astype("float32")):
+        data = [(torch.as_tensor(batch), torch.as_tensor(y))]
+        with _counted_host_reads() as count:
+            step(data)
+        counts.append(count[0])
+    return counts  # [healthy step, skipped step]
+
+
+def test_runs_without_tensorflow_or_jax():
+    assert mp.BACKEND == "torch"
+    assert "tensorflow" not in sys.modules and "jax" not in sys.modules
+
+
+def test_every_public_name_runs_on_torch_but_those_that_name_the_alternative():
+    assert mp.NOT_ON_THIS_BACKEND == ("LossScaleOptimizer",)
+    for name in mp.__all__:
+        assert getattr(mp, name) is not None, name
+    assert not set(mp.NOT_ON_THIS_BACKEND) & set(mp.__all__)
+    with pytest.raises(
+        mp.BackendNotSupportedError, match=r"LossScaleOptimizer.*'torch'.*MixedPrecisionModel"
+    ):
+        mp.LossScaleOptimizer  # noqa: B018
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16", "mixed_bfloat16"])
+def test_a_step_reads_the_device_once_healthy_or_skipped(policy):
+    keras.mixed_precision.set_global_policy(policy)
+    x, y = _data(8)
+    stock = _functional()
+    stock.compile(keras.optimizers.Adam(1e-3), "mse", metrics=["mae"])
+    ours = _functional(mp.MixedPrecisionModel)
+    ours.compile(keras.optimizers.Adam(1e-3), "mse", metrics=["mae"])
+    stock_reads = _host_reads_per_step(stock, x, y)
+    # Stock Keras reads none in float32 and bfloat16 (and skips nothing);
+    # under mixed_float16 its LossScaleOptimizer branches on the host, twice
+    # on a healthy step in Keras 3.15 (the finite check, the growth). Ours
+    # reads once, healthy or skipped: the decision.
+    if policy == "mixed_float16":
+        assert min(stock_reads) >= 1
+    else:
+        assert stock_reads == [0, 0]
+    assert _host_reads_per_step(ours, x, y) == [1, 1]
+
+
+class _KerasIoStep(mp.MixedPrecisionModel):
+    """keras-io's "Customizing what happens in fit() with PyTorch" step."""
+
+    def train_step(self, data):
+        x, y = data
+        self.zero_grad()
+        y_pred = self(x, training=True)
+        loss = self.compute_loss(y=y, y_pred=y_pred)
+        loss.backward()
+        trainable_weights = list(self.trainable_weights)
+        gradients = [v.value.grad for v in trainable_weights]
+        with torch.no_grad():
+            self.optimizer.apply(gradients, trainable_weights)
+        return {"loss": loss}
+
+
+def test_the_keras_io_torch_step_is_never_less_safe_than_stock():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    x, y = _data(8)
+    bad = x.copy()
+    bad[0, 0] = np.nan
+    kept, trained = {}, {}
+    for cls in (keras.Model, _KerasIoStep):
+        model = _functional(cls, batch_norm=False)
+        if cls is keras.Model:
+            model.train_step = _KerasIoStep.train_step.__get__(model)
+        model.compile(keras.optimizers.SGD(0.01), "mse")
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)  # as stock compiles it
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+        before = [v.numpy() for v in model.trainable_variables]
+        model.fit(bad, y, batch_size=8, epochs=1, verbose=0)
+        kept[cls] = all(np.array_equal(b, v.numpy()) for b, v in zip(before, model.trainable_variables))
+        trained[cls] = before
+    assert kept[keras.Model] and kept[_KerasIoStep]
+    assert all(np.array_equal(a, b) for a, b in zip(trained[keras.Model], trained[_KerasIoStep]))
+
+
+class _Gan(mp.MixedPrecisionModel):
+    """Two optimizers, two losses, one scale and one decision: a step of
+    your own with `loss_scaling()`."""
+
+    def compile(self, **kwargs):
+        super().compile(optimizer=keras.optimizers.Adam(1e-3), auto_scale_loss=False, **kwargs)
+        self.second_optimizer = keras.optimizers.SGD(0.01)
+
+    def train_step(self, data):
+        x, y = data
+        first = self.layers[1].trainable_weights
+        rest = [w for w in self.trainable_weights if all(w is not f for f in first)]
+        scaling = self.loss_scaling()
+        with scaling.forward() as forward:
+            y_pred = self(x, training=True)
+            self.zero_grad()
+            main_loss = keras.ops.mean((y - y_pred) ** 2)
+            side_loss = keras.ops.mean(keras.ops.abs(y_pred))
+        scaling.scale(main_loss + side_loss).backward()
+        grads = scaling.unscale([w.value.grad for w in first + rest])
+        outcome = scaling.check(grads, [main_loss, side_loss])
+        scaling.apply_if_finite(outcome, self.optimizer, grads[: len(first)], first)
+        scaling.apply_if_finite(outcome, self.second_optimizer, grads[len(first) :], rest)
+        scaling.commit(outcome, forward)
+        return {"loss": main_loss, **scaling.finish(outcome, x.shape[0])}
+
+
+def test_your_own_step_with_two_optimizers_takes_one_decision_and_skips_exactly():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = _functional(_Gan)
+    model.compile()
+    assert model.get_scale() == 2.0**15
+    x, y = _data(16)
+    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0).history
+    assert set(mp.LOG_KEYS) <= set(history)
+    assert int(model.second_optimizer.iterations.numpy()) == int(model.optimizer.iterations.numpy()) >= 1
+
+    def everything():
+        variables = model.variables + model.optimizer.variables + model.second_optimizer.variables
+        return [np.array(v.numpy()) for v in variables if OURS not in v.path]
+
+    before = everything()
+    bad = x[:8].copy()
+    bad[1, 1] = np.nan
+    history = model.fit(bad, y[:8], batch_size=8, verbose=0).history
+    after = everything()
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))  # BatchNorm's and both optimizers'
+    assert history["skipped_steps"] == [1.0]
+    assert model.loss_scale_state()["nonfinite_loss_steps"] == 1
+    assert _host_reads_per_step(model, x[:8], y[:8]) == [1, 1]  # two optimizers, one read
+
+
+def test_loss_scaling_refuses_a_keras_loss_scale_optimizer_that_would_unscale_twice():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = _functional(_Gan)
+    mp.MixedPrecisionModel.compile(model, keras.optimizers.Adam(1e-3))  # stock: Keras's LossScaleOptimizer
+    model.second_optimizer = keras.optimizers.SGD(0.01)
+    x, y = _data(8)
+    with pytest.raises(RuntimeError, match="auto_scale_loss=False"):
+        model.fit(x, y, batch_size=8, verbose=0)
+
+
+def test_stock_keras_on_torch_leaves_batchnorm_nan_where_the_model_keeps_it():
+    # Why the step defers the forward pass's writes: stock Keras on torch
+    # keeps the weights on a skipped step but not BatchNormalization's statistics.
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    x, y = _data(8)
+    bad = x.copy()
+    bad[0, 0] = np.nan
+    finite = {}
+    for cls in (keras.Model, mp.MixedPrecisionModel):
+        model = _functional(cls)
+        model.compile(keras.optimizers.SGD(0.01), "mse")
+        model.fit(bad, y, batch_size=8, verbose=0)
+        moving = [v for v in model.non_trainable_variables if "moving" in v.path]
+        finite[cls] = all(np.isfinite(v.numpy()).all() for v in moving)
+    assert finite == {keras.Model: False, mp.MixedPrecisionModel: True}
+
+
+def test_the_kept_batch_of_a_skipped_step_is_the_batch_and_its_step():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = _functional(mp.MixedPrecisionModel)
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    x, y = _data(16)
+    x[9, 2] = np.inf
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    (kept_x, kept_y, _), step = model.kept_batch()
+    assert step == 1 and np.isinf(kept_x).sum() == 1 and kept_x.shape == (8, 4)
+    np.testing.assert_array_equal(kept_y, y[8:])
+    report = mp.diagnose_batch(model, kept_x, kept_y)
+    assert report.first_nonfinite_layer is not None
