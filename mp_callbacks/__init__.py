@@ -33,7 +33,7 @@ from mp_callbacks.errors import (
     UnsupportedArgumentError,
 )
 from mp_callbacks.errors import (
-    not_on_this_backend as _not_on_this_backend,
+    tensorflow_only as _tensorflow_only,
 )
 
 if BACKEND == "tensorflow":
@@ -69,6 +69,7 @@ elif BACKEND == "jax":
 else:  # torch
     from mp_callbacks.autotune import autotune
     from mp_callbacks.backends.common.loss_scaler import LossScaler  # type: ignore[assignment]
+    from mp_callbacks.backends.torch.loss_scale_optimizer import LossScaleOptimizer
     from mp_callbacks.backends.torch.model import LOG_KEYS, MixedPrecisionModel
     from mp_callbacks.diagnosis import PrecisionReport, diagnose_batch
     from mp_callbacks.epoch_timer import EpochTimer
@@ -83,16 +84,15 @@ else:  # torch
 
 __version__ = _package_version()
 
-#: Public names that run on TensorFlow only, for now (none).
+#: Public names that run on TensorFlow only, for now (none: every public
+#: name runs on every backend; each raises BackendNotSupportedError, naming
+#: the backend, where it does not).
 TENSORFLOW_ONLY: tuple[str, ...] = ()
-#: Public names that do not run on the backend in use yet (each raises
-#: BackendNotSupportedError naming the backend and the alternative).
-NOT_ON_THIS_BACKEND: tuple[str, ...] = ("LossScaleOptimizer",) if BACKEND == "torch" else ()
 
 
 def __getattr__(name: str):
-    if name in TENSORFLOW_ONLY or name in NOT_ON_THIS_BACKEND:
-        raise _not_on_this_backend(name, BACKEND)
+    if name in TENSORFLOW_ONLY:
+        raise _tensorflow_only(name, BACKEND)
     if BACKEND != "tensorflow":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     # Deprecated spellings, with a warning.
@@ -130,4 +130,4 @@ __all__ = [
     "with_float32_layers",
 ]
 if BACKEND != "tensorflow":  # `import *` takes only what runs here
-    __all__ = [name for name in __all__ if name not in TENSORFLOW_ONLY + NOT_ON_THIS_BACKEND]
+    __all__ = [name for name in __all__ if name not in TENSORFLOW_ONLY]

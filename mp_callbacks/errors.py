@@ -24,27 +24,12 @@ class BackendNotSupportedError(NotImplementedError):
     have yet; the message names the backend and the alternative."""
 
 
-#: Where each public name that does not run on every backend runs, and what
-#: to use instead on the others.
-_ALTERNATIVES = {
-    "LossScaleOptimizer": (
-        "TensorFlow and JAX backends",
-        "on torch, mp_callbacks.MixedPrecisionModel scales the loss and skips non-finite steps "
-        "(its loss_scaling() serves a train_step of your own), or use Keras's own "
-        "keras.optimizers.LossScaleOptimizer",
-    ),
-}
-
-
-def not_on_this_backend(name: str, backend: str) -> BackendNotSupportedError:
-    """The error for a public name that does not run on `backend` yet."""
-    where, alternative = _ALTERNATIVES.get(
-        name, ("TensorFlow backend", f"for {name}, set KERAS_BACKEND=tensorflow")
-    )
+def tensorflow_only(name: str, backend: str) -> BackendNotSupportedError:
+    """The error for a feature that runs on TensorFlow only, for now."""
     return BackendNotSupportedError(
-        f"mp_callbacks.{name} runs on Keras's {where}, not yet on {backend!r}, the "
-        f"backend Keras is running on. The rest of mp_callbacks runs there (the backends page of "
-        f"the docs lists what runs where); {alternative}."
+        f"mp_callbacks.{name} runs on Keras's TensorFlow backend only, for now; Keras is "
+        f"running on {backend!r}. The rest of mp_callbacks runs there (the backends page of "
+        f"the docs lists what runs where); for {name}, set KERAS_BACKEND=tensorflow."
     )
 
 

@@ -25,9 +25,10 @@ BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
 def runs_on_jax(page: Path) -> bool:
-    """A page whose code sets Keras's JAX backend runs in the JAX suite
-    (tests/on_jax), not here."""
-    return 'os.environ["KERAS_BACKEND"] = "jax"' in page.read_text()
+    """A page whose code sets Keras's JAX or torch backend runs in that
+    backend's suite (tests/on_jax, tests/on_torch), not here."""
+    text = page.read_text()
+    return any(f'os.environ["KERAS_BACKEND"] = "{backend}"' in text for backend in ("jax", "torch"))
 
 
 def code_blocks(page: Path) -> list[str]:
@@ -57,6 +58,7 @@ def test_the_guide_has_pages_and_code():
         "bench-and-doctor",
         "tensorboard",
         "backends",
+        "pytorch",
     } <= set(guide)
     assert sum(len(code_blocks(page)) for page in PAGES) >= 20
 

@@ -83,15 +83,11 @@ def test_runs_without_tensorflow_or_jax():
     assert "tensorflow" not in sys.modules and "jax" not in sys.modules
 
 
-def test_every_public_name_runs_on_torch_but_those_that_name_the_alternative():
-    assert mp.NOT_ON_THIS_BACKEND == ("LossScaleOptimizer",)
+def test_every_public_name_runs_on_torch():
+    assert mp.TENSORFLOW_ONLY == ()
+    assert {"LossScaleOptimizer", "LossScaler", "NaNGradientMonitor"} <= set(mp.__all__)
     for name in mp.__all__:
         assert getattr(mp, name) is not None, name
-    assert not set(mp.NOT_ON_THIS_BACKEND) & set(mp.__all__)
-    with pytest.raises(
-        mp.BackendNotSupportedError, match=r"LossScaleOptimizer.*'torch'.*MixedPrecisionModel"
-    ):
-        mp.LossScaleOptimizer  # noqa: B018
 
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_float16", "mixed_bfloat16"])
@@ -242,3 +238,51 @@ def test_the_kept_batch_of_a_skipped_step_is_the_batch_and_its_step():
     np.testing.assert_array_equal(kept_y, y[8:])
     report = mp.diagnose_batch(model, kept_x, kept_y)
     assert report.first_nonfinite_layer is not None
+
+
+def test_pytorchs_gradscaler_recipe_unscales_once_clips_true_gradients_and_skips():
+    """scale(loss).backward(), unscale, clip, step: as with
+    torch.amp.GradScaler, the clip sees the true gradients, and the step
+    divides nothing again."""
+    keras.utils.set_random_seed(0)
+    layer = keras.layers.Dense(2)
+    layer.build((None, 4))
+    optimizer = mp.LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=2.0**12)
+    x = torch.as_tensor(np.random.default_rng(0).normal(size=(8, 4)).astype("float32"))
+    weights = list(layer.trainable_weights)
+    before = [w.numpy().copy() for w in weights]
+
+    loss = keras.ops.mean(layer(x) ** 2) * 100.0
+    optimizer.scale_loss(loss).backward()
+    scaled = [w.value.grad.clone() for w in weights]
+    grads = optimizer.get_unscaled_gradients(scaled)
+    true = [g / 2.0**12 for g in scaled]
+    for got, want in zip(grads, true):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # Clip by the global norm, as clip_grad_norm_ does, on the true gradients.
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    assert float(norm) > 1.0
+    clipped = [g * (1.0 / norm) for g in grads]
+    assert float(torch.sqrt(sum((g**2).sum() for g in clipped))) == pytest.approx(1.0, rel=1e-5)
+    optimizer.apply(clipped, weights)
+    for w, start, g in zip(weights, before, clipped):
+        np.testing.assert_allclose(w.numpy(), start - g.numpy(), rtol=1e-6, atol=1e-7)
+    assert int(optimizer.iterations.numpy()) == 1 and optimizer.get_scale() == 2.0**12
+
+    # An inf gradient: nothing written, the scale halves.
+    after = [w.numpy().copy() for w in weights]
+    bad = [torch.full_like(g, float("inf")) for g in clipped]
+    with _counted_host_reads() as count:
+        optimizer.apply(bad, weights)
+    assert count[0] == 1
+    assert all(np.array_equal(a, w.numpy()) for a, w in zip(after, weights))
+    assert int(optimizer.iterations.numpy()) == 1 and optimizer.get_scale() == 2.0**11
+
+
+def test_a_plain_model_with_the_loss_scale_optimizer_skips_in_fit_with_one_host_read():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = _functional(batch_norm=False)
+    model.compile(mp.LossScaleOptimizer(keras.optimizers.Adam(1e-3), initial_scale=2.0**10), "mse")
+    x, y = _data(8)
+    assert _host_reads_per_step(model, x, y) == [1, 1]
+    assert model.optimizer.scaler.diagnostics()["skipped_steps"] == 1
