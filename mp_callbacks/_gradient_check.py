@@ -9,7 +9,7 @@ the step's decision.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from mp_callbacks._backend import BACKEND, counter_dtype, keras, tf
@@ -106,21 +106,28 @@ def check_gradients(grads: Sequence[Any]) -> CheckedGradients:
     return CheckedGradients(flags, ops.sqrt(2.0 * total), all_finite)
 
 
-def check_gradients_on_host(grads: Sequence[Any]) -> tuple[CheckedGradients, bool]:
+def check_gradients_on_host(
+    grads: Sequence[Any], all_finite_everywhere: Callable[[Any], Any] | None = None
+) -> tuple[CheckedGradients, bool]:
     """`check_gradients` for a step that branches on the host (torch's, as
-    `torch.amp.GradScaler`'s): the same one fused pass, whose total is read
-    on the host once (the step's one sync, which is also its decision), and
-    the exact per-gradient flags computed only where it is not finite."""
+    `torch.amp.GradScaler`'s): the same one fused pass, whose finiteness
+    is read on the host once (the step's one sync, which is also its
+    decision), and the exact per-gradient flags computed only where this
+    process's gradients are not finite. `all_finite_everywhere` turns this
+    process's answer into every process's (a reduction across ranks)
+    before the read, so that all ranks take one decision."""
     grads = list(grads)
-    if not grads:
-        return check_gradients(grads), True
-    total = _total([half_sum_of_squares(g) for g in grads])
-    finite = bool(ops.isfinite(total))
-    if finite:
+    if grads:
+        total = _total([half_sum_of_squares(g) for g in grads])
+        finite_here = ops.isfinite(total)
+    else:
+        total, finite_here = ops.zeros((), "float32"), ops.convert_to_tensor(True)
+    finite_everywhere = finite_here if all_finite_everywhere is None else all_finite_everywhere(finite_here)
+    finite = bool(finite_everywhere)  # the one host read
+    if finite or not grads:
         flags = ops.zeros([len(grads)], _FLAG)
     else:
         flags = ops.stack([nonfinite_flag(g) for g in grads])
-        finite = False
     return CheckedGradients(flags, ops.sqrt(2.0 * total), ops.convert_to_tensor(finite)), finite
 
 

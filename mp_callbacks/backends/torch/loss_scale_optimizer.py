@@ -16,6 +16,7 @@ from mp_callbacks import _scale_state
 from mp_callbacks._backend import keras
 from mp_callbacks._gradient_check import check_gradients_on_host
 from mp_callbacks.backends.common.loss_scale_optimizer import VariableScaleOptimizer
+from mp_callbacks.backends.torch.step import finite_on_every_rank
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -33,9 +34,10 @@ class LossScaleOptimizer(VariableScaleOptimizer):
     * Keras's `fit` (and a keras-io torch `train_step`) scales the loss with
       `scale_loss` and passes the gradients of the scaled loss to `apply`,
       which unscales them once, checks them in one pass, reads the decision
-      on the host once (as `torch.amp.GradScaler` does) and runs the inner
-      optimizer only where every gradient is finite: weights, slots and
-      `iterations` stay on a skip.
+      on the host once (as `torch.amp.GradScaler` does; under
+      `torch.distributed`, reduced across ranks first, so that all skip
+      together) and runs the inner optimizer only where every gradient is
+      finite: weights, slots and `iterations` stay on a skip.
     * tf.keras's loop and PyTorch's habit alike: `get_scaled_loss(loss)`
       (or `scale_loss`), `backward()`, `get_unscaled_gradients(grads)`,
       clip if you like, then `apply`, which takes those gradients as
@@ -51,7 +53,7 @@ class LossScaleOptimizer(VariableScaleOptimizer):
     def _apply_if_finite(
         self, grads: list[Any], inner: list[Any], trainable: list[Any]
     ) -> tuple[Any, Any, list[Any], list[Any]]:
-        checked, finite = check_gradients_on_host(grads)
+        checked, finite = check_gradients_on_host(grads, finite_on_every_rank)
         if finite:
             trainable, inner = (
                 list(v) for v in self.inner_optimizer.stateless_apply(inner, grads, trainable)
@@ -65,7 +67,7 @@ class LossScaleOptimizer(VariableScaleOptimizer):
         grads = list(grads)
         variables = self._resolved_variables(trainable_variables)
         grads = self._unscaled(grads, self._mp_state["scale"].value)
-        checked, finite = check_gradients_on_host(grads)
+        checked, finite = check_gradients_on_host(grads, finite_on_every_rank)
         with torch.no_grad():
             if finite:
                 self.inner_optimizer.apply(grads, variables)

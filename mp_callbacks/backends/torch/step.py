@@ -6,8 +6,9 @@ statistics and seed states, and the optimizer writes the weights, slots and
 write none of them, so nothing is written before the decision: the forward
 pass runs in a scope that keeps its writes aside (`LossScaling.forward`),
 one host read of the finite flag decides (the step's one sync, as in
-`torch.amp.GradScaler`), and only an applied step runs the optimizer and
-commits the forward pass's writes. A skipped step costs no copy of any
+`torch.amp.GradScaler`; under `torch.distributed`, after one all-reduce
+of the flag, so that every rank decides alike), and only an applied step
+runs the optimizer and commits the forward pass's writes. A skipped step costs no copy of any
 state; a healthy one, one boolean read.
 """
 
@@ -25,7 +26,20 @@ from mp_callbacks._gradient_check import check_gradients_on_host, nonfinite_flag
 from mp_callbacks._keras_internals import deferring_stateless_scope
 from mp_callbacks.backends.common.step import StepOutcome, finished_state, scale_loss, unscale
 
-__all__ = ["LossScaling", "StepOutcome"]
+__all__ = ["LossScaling", "StepOutcome", "finite_on_every_rank"]
+
+
+def finite_on_every_rank(finite: Any) -> Any:
+    """This process's "every gradient is finite", made every process's
+    under `torch.distributed` (one all-reduce of a flag, as GradScaler's
+    found-inf): all ranks skip together, also where only one rank's
+    gradients overflowed, so that no rank's weights drift from the others'."""
+    distributed = torch.distributed
+    if not (distributed.is_available() and distributed.is_initialized()) or distributed.get_world_size() < 2:
+        return finite
+    not_finite = torch.logical_not(finite).to(torch.int32).reshape(1)
+    distributed.all_reduce(not_finite, op=distributed.ReduceOp.MAX)
+    return not_finite[0] == 0
 
 
 class LossScaling:
@@ -70,7 +84,7 @@ class LossScaling:
         """The step's one decision, over all its (unscaled) gradients and
         its loss or losses: applied only if every gradient is finite. Its
         host read is the step's one sync (`applies` reuses it)."""
-        checked, finite = check_gradients_on_host(list(grads))
+        checked, finite = check_gradients_on_host(list(grads), finite_on_every_rank)
         flags = keras.ops.concatenate([checked.flags, keras.ops.expand_dims(nonfinite_flag(losses), 0)])
         outcome = StepOutcome(checked.all_finite, flags, checked.global_norm)
         self._decisions[id(outcome.applied)] = finite
