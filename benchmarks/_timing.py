@@ -24,6 +24,32 @@ OPTIMIZERS = {
 }
 
 
+BATCHES = 8
+POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+
+
+def contenders(build, optimizer, peer: bool) -> dict[str, keras.Model]:
+    """Stock Keras, MixedPrecisionModel on a copy of the same layers and
+    (peer) stock Keras with Keras's LossScaleOptimizer, compiled alike (the
+    JAX and torch step benchmarks)."""
+    import mp_callbacks as mp
+
+    models = {}
+    keras.utils.set_random_seed(0)
+    models["stock"] = build()
+    keras.utils.set_random_seed(0)
+    models["MixedPrecisionModel"] = mp.MixedPrecisionModel.from_model(build())
+    for model in models.values():
+        model.compile(optimizer(), "sparse_categorical_crossentropy")
+    if peer:
+        keras.utils.set_random_seed(0)
+        models["keras LossScaleOptimizer"] = build()
+        models["keras LossScaleOptimizer"].compile(
+            keras.optimizers.LossScaleOptimizer(optimizer()), "sparse_categorical_crossentropy"
+        )
+    return models
+
+
 def add_real_model_options(parser, policies, models) -> None:
     """The options real_models.py and step_overhead.py share."""
     parser.add_argument("--model", choices=models, default=models[-1])

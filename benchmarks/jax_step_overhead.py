@@ -27,30 +27,8 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import jax
 import keras
-from _timing import OPTIMIZERS, print_step_ratios
+from _timing import BATCHES, OPTIMIZERS, POLICIES, contenders, print_step_ratios
 from real_models import data_for, resnet50, transformer
-
-import mp_callbacks as mp
-
-BATCHES = 8
-POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
-
-
-def contenders(build, optimizer, peer: bool) -> dict[str, keras.Model]:
-    models = {}
-    keras.utils.set_random_seed(0)
-    models["stock"] = build()
-    keras.utils.set_random_seed(0)
-    models["MixedPrecisionModel"] = mp.MixedPrecisionModel.from_model(build())
-    for model in models.values():
-        model.compile(optimizer(), "sparse_categorical_crossentropy")
-    if peer:
-        keras.utils.set_random_seed(0)
-        models["keras LossScaleOptimizer"] = build()
-        models["keras LossScaleOptimizer"].compile(
-            keras.optimizers.LossScaleOptimizer(optimizer()), "sparse_categorical_crossentropy"
-        )
-    return models
 
 
 def _state(model: keras.Model) -> tuple:

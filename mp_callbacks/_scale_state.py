@@ -206,13 +206,18 @@ def initial_values(settings: ScaleSettings) -> dict[str, Any]:
     return values
 
 
-def transition(settings: ScaleSettings, state: dict[str, Any], flags: Any, applied: Any) -> dict[str, Any]:
+def transition(
+    settings: ScaleSettings, state: dict[str, Any], flags: Any, applied: Any, xp: Any = None
+) -> dict[str, Any]:
     """The state after one step (see the module's docstring): `state` holds
     the variables' values before it, `flags` the step's non-finite flags
     (per variable, then the loss; all-reduced), `applied` the decision.
     Returns the new value of every variable (the per-variable counters
     under "nonfinite_counts": their increments). In `keras.ops`, so that
-    every backend runs the same state machine."""
+    every backend runs the same state machine; `xp` is a namespace with the
+    same functions over the backend's own tensors (torch's step passes one:
+    Keras's dispatch of each scalar op costs a share of a small eager step)."""
+    ops = keras.ops if xp is None else xp
     counter = COUNTER_DTYPE
     zero = ops.zeros((), counter)
     one = ops.ones((), counter)

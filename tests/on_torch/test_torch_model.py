@@ -11,8 +11,13 @@ import sys
 import keras
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scale_reference import configs
 
 import mp_callbacks as mp
+from mp_callbacks import _scale_state
+from mp_callbacks.backends.common.step import StepOutcome, finished_state
 
 torch = pytest.importorskip("torch")
 
@@ -286,3 +291,41 @@ def test_a_plain_model_with_the_loss_scale_optimizer_skips_in_fit_with_one_host_
     x, y = _data(8)
     assert _host_reads_per_step(model, x, y) == [1, 1]
     assert model.optimizer.scaler.diagnostics()["skipped_steps"] == 1
+
+
+_OUTCOMES = st.lists(st.sampled_from(["finite", "overflow", "bad_loss"]), min_size=1, max_size=12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(config=configs(), outcomes=_OUTCOMES)
+def test_the_state_machine_in_torchs_own_functions_equals_it_in_keras_ops(config, outcomes):
+    from mp_callbacks.backends.torch import tensor_ops
+
+    settings_ = _scale_state.ScaleSettings.checked(**config)
+    initial = _scale_state.initial_values(settings_)
+    start = {
+        spec.name: torch.tensor(initial[spec.name], dtype=getattr(torch, spec.dtype))
+        for spec in _scale_state.STATE_VARIABLES
+    }
+    epoch = {
+        name: torch.tensor(0.0)
+        for name in ("epoch_norm_sum", "epoch_applied", "epoch_skipped", "epoch_samples")
+    }
+    states = {"keras.ops": {**start, **epoch}, "torch": {**start, **epoch}}
+    for number, outcome in enumerate(outcomes):
+        applied = torch.tensor(outcome == "finite")
+        flags = torch.tensor([int(outcome != "finite"), 0, int(outcome == "bad_loss")], dtype=torch.int64)
+        step = StepOutcome(applied, flags, torch.tensor(0.5 + number))
+        for way, xp in (("keras.ops", None), ("torch", tensor_ops)):
+            after, logs = finished_state(settings_, states[way], step, 8, xp)
+            states[way] = {**states[way], **after}
+            states[way]["logs"] = logs
+        for name, value in states["keras.ops"].items():
+            other = states["torch"][name]
+            if name == "logs":
+                for key in value:
+                    np.testing.assert_array_equal(np.asarray(value[key]), np.asarray(other[key]), err_msg=key)
+                continue
+            # (Keras 3.15's maximum of two int64 tensors on torch is int32;
+            # the variables it is written to keep their dtype.)
+            np.testing.assert_array_equal(value.numpy(), other.numpy(), err_msg=name)

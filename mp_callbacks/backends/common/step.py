@@ -47,13 +47,19 @@ def check(grads: Sequence[Any], loss: Any) -> StepOutcome:
 
 
 def finished_state(
-    settings: _scale_state.ScaleSettings, values: dict[str, Any], outcome: StepOutcome, batch_size: int
+    settings: _scale_state.ScaleSettings,
+    values: dict[str, Any],
+    outcome: StepOutcome,
+    batch_size: int,
+    xp: Any = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """After one step: the new values of the scale's state, the epoch's
     figures and the per-variable counters (those of `values`, by name), and
-    the logs' `loss_scale`, `grad_norm` and `skipped_steps`."""
+    the logs' `loss_scale`, `grad_norm` and `skipped_steps` (in `xp`'s
+    functions, as `_scale_state.transition`)."""
+    ops = keras.ops if xp is None else xp
     before = {spec.name: values[spec.name] for spec in _scale_state.STATE_VARIABLES}
-    after = _scale_state.transition(settings, before, outcome.flags, outcome.applied)
+    after = _scale_state.transition(settings, before, outcome.flags, outcome.applied, xp)
     applied = ops.cast(outcome.applied, "float32")
     epoch = {
         "epoch_norm_sum": values["epoch_norm_sum"] + ops.where(outcome.applied, outcome.global_norm, 0.0),

@@ -16,7 +16,8 @@ from mp_callbacks import _scale_state
 from mp_callbacks._backend import keras
 from mp_callbacks._gradient_check import check_gradients_on_host
 from mp_callbacks.backends.common.loss_scale_optimizer import VariableScaleOptimizer
-from mp_callbacks.backends.torch.step import finite_on_every_rank
+from mp_callbacks.backends.torch import tensor_ops
+from mp_callbacks.backends.torch.step import finite_on_every_rank, global_norm
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -53,7 +54,7 @@ class LossScaleOptimizer(VariableScaleOptimizer):
     def _apply_if_finite(
         self, grads: list[Any], inner: list[Any], trainable: list[Any]
     ) -> tuple[Any, Any, list[Any], list[Any]]:
-        checked, finite = check_gradients_on_host(grads, finite_on_every_rank)
+        checked, finite = check_gradients_on_host(grads, global_norm(grads), finite_on_every_rank, tensor_ops)
         if finite:
             trainable, inner = (
                 list(v) for v in self.inner_optimizer.stateless_apply(inner, grads, trainable)
@@ -67,13 +68,15 @@ class LossScaleOptimizer(VariableScaleOptimizer):
         grads = list(grads)
         variables = self._resolved_variables(trainable_variables)
         grads = self._unscaled(grads, self._mp_state["scale"].value)
-        checked, finite = check_gradients_on_host(grads, finite_on_every_rank)
+        checked, finite = check_gradients_on_host(grads, global_norm(grads), finite_on_every_rank, tensor_ops)
         with torch.no_grad():
             if finite:
                 self.inner_optimizer.apply(grads, variables)
             # No loss is seen here: its flag is 0 (a skip is an overflow).
-            flags = ops.concatenate([checked.flags, ops.zeros((1,), checked.flags.dtype)])
+            flags = torch.cat([checked.flags, torch.zeros((1,), dtype=checked.flags.dtype)])
             state = {name: variable.value for name, variable in self._mp_state.items()}
-            after = _scale_state.transition(self.scaler.settings, state, flags, checked.all_finite)
+            after = _scale_state.transition(
+                self.scaler.settings, state, flags, checked.all_finite, tensor_ops
+            )
             for name, variable in self._mp_state.items():
-                variable.assign(after[name])
+                variable.value.copy_(after[name])  # in place, as Keras's own assign writes it

@@ -21,12 +21,35 @@ from typing import Any
 import torch
 
 from mp_callbacks import _scale_state
-from mp_callbacks._backend import keras
-from mp_callbacks._gradient_check import check_gradients_on_host, nonfinite_flag
+from mp_callbacks._gradient_check import check_gradients_on_host
 from mp_callbacks._keras_internals import deferring_stateless_scope
-from mp_callbacks.backends.common.step import StepOutcome, finished_state, scale_loss, unscale
+from mp_callbacks.backends.common.step import StepOutcome, finished_state, scale_loss
+from mp_callbacks.backends.torch import tensor_ops
 
-__all__ = ["LossScaling", "StepOutcome", "finite_on_every_rank"]
+__all__ = ["LossScaling", "StepOutcome", "finite_on_every_rank", "global_norm"]
+
+
+def global_norm(grads: Sequence[Any]) -> Any:
+    """The gradients' global L2 norm in float32, in torch's fused
+    multi-tensor kernels (`get_total_norm`, one per device and dtype): a
+    kernel per gradient costs a dispatch each, a share of a small step.
+    Low-precision gradients are cast first: their own norm could overflow
+    where they do not. inf or NaN anywhere makes it non-finite."""
+    present = [g if g.dtype == torch.float32 else g.float() for g in grads if g is not None]
+    if not present:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.nn.utils.get_total_norm(present, norm_type=2.0, foreach=True)
+
+
+def _nonfinite_flag(losses: Any, dtype: torch.dtype) -> torch.Tensor:
+    """1 if the loss (any of several) holds inf or NaN, else 0: what
+    `_gradient_check.nonfinite_flag` gives, in torch's own functions."""
+    values = losses if isinstance(losses, (list, tuple)) else [losses]
+    finite = [torch.isfinite(torch.as_tensor(v)).all() for v in values if v is not None]
+    if not finite:
+        return torch.zeros((), dtype=dtype)
+    all_finite = finite[0] if len(finite) == 1 else torch.stack(finite).all()
+    return torch.logical_not(all_finite).to(dtype)
 
 
 def finite_on_every_rank(finite: Any) -> Any:
@@ -77,15 +100,30 @@ class LossScaling:
         return scale_loss(loss, self.value) if self.active else loss
 
     def unscale(self, grads: Sequence[Any]) -> list[Any]:
-        """The gradients of a scaled loss, divided by the scale once."""
-        return unscale(grads, self.value) if self.active else list(grads)
+        """The gradients of a scaled loss, divided by the scale once: each
+        times 1/scale in its own dtype (`backends/common/step.unscale`'s
+        rule, in torch's functions)."""
+        if not self.active:
+            return list(grads)
+        inverse = torch.reciprocal(self.value)
+        by_dtype: dict[torch.dtype, torch.Tensor] = {}
+        unscaled: list[Any] = []
+        for grad in grads:
+            if grad is None:
+                unscaled.append(None)
+                continue
+            if grad.dtype not in by_dtype:
+                by_dtype[grad.dtype] = inverse.to(grad.dtype)
+            unscaled.append(grad * by_dtype[grad.dtype])
+        return unscaled
 
     def check(self, grads: Sequence[Any], losses: Any) -> StepOutcome:
         """The step's one decision, over all its (unscaled) gradients and
         its loss or losses: applied only if every gradient is finite. Its
         host read is the step's one sync (`applies` reuses it)."""
-        checked, finite = check_gradients_on_host(list(grads), finite_on_every_rank)
-        flags = keras.ops.concatenate([checked.flags, keras.ops.expand_dims(nonfinite_flag(losses), 0)])
+        grads = list(grads)
+        checked, finite = check_gradients_on_host(grads, global_norm(grads), finite_on_every_rank, tensor_ops)
+        flags = torch.cat([checked.flags, _nonfinite_flag(losses, checked.flags.dtype).reshape(1)])
         outcome = StepOutcome(checked.all_finite, flags, checked.global_norm)
         self._decisions[id(outcome.applied)] = finite
         return outcome
@@ -122,7 +160,8 @@ class LossScaling:
         the logs' `loss_scale`, `grad_norm` and `skipped_steps`."""
         values = {name: variable.value for name, variable in self._variables.items()}
         with torch.no_grad():
-            after, logs = finished_state(self._settings, values, outcome, batch_size)
+            after, logs = finished_state(self._settings, values, outcome, batch_size, tensor_ops)
             for name, value in after.items():
-                self._variables[name].assign(value)
+                # In place, as Keras's own assign writes a torch variable.
+                values[name].copy_(value)
         return logs

@@ -1,0 +1,95 @@
+"""What does a healthy training step cost on Keras's PyTorch backend?
+
+The torch counterpart of `step_overhead.py`: each contender's train
+function (as `fit` makes it) takes one step in turn, the order rotating
+every step, on the same few batches, for `--steps` rounds. Torch on the CPU
+runs eagerly, so each step is done when it returns. Prints each
+contender's median step time and its ratios to stock Keras on torch: the
+median of each round's own ratio ("paired"), and the ratios of the medians,
+of the lower quartiles and of the fastest steps.
+
+Contenders: stock `keras.Model`, `MixedPrecisionModel.from_model` on a copy
+of the same layers (one host read per step, the forward pass's writes
+deferred) and (`--peer`) stock `keras.Model` with Keras's own
+`LossScaleOptimizer`, which on torch branches on the host as well.
+
+    KERAS_BACKEND=torch python benchmarks/torch_step_overhead.py --model transformer --steps 300 --peer
+    KERAS_BACKEND=torch python benchmarks/torch_step_overhead.py --model resnet50 --optimizer sgd --steps 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import keras
+import torch
+from _timing import BATCHES, OPTIMIZERS, POLICIES, contenders, print_step_ratios
+from real_models import data_for, resnet50, transformer
+
+
+def interleaved_steps(models, batches, steps: int) -> dict[str, list[float]]:
+    step_of = {}
+    for name, model in models.items():
+        x, y = batches[0]
+        model.fit(x.numpy(), y.numpy(), batch_size=len(x), epochs=1, verbose=0)  # builds as fit does
+        model.make_train_function()
+        step_of[name] = model.train_function
+        for batch in batches[:3]:  # warm-up
+            step_of[name]([batch])
+    names = list(models)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(steps):
+        batch = batches[i % len(batches)]
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            step_of[name]([batch])
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["resnet50", "transformer"], default="transformer")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
+    parser.add_argument("--policy", default="float32", choices=POLICIES)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2, help="torch's intra-op threads")
+    parser.add_argument("--steps", type=int, default=300, help="interleaved rounds of one step each")
+    parser.add_argument(
+        "--peer", action="store_true", help="also time stock keras.Model with Keras's LossScaleOptimizer"
+    )
+    args = parser.parse_args(argv)
+    if keras.backend.backend() != "torch":
+        parser.error(f"runs on Keras's torch backend; KERAS_BACKEND is {keras.backend.backend()!r}")
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1; got {args.steps}")
+    if args.threads < 1:
+        parser.error(f"--threads must be at least 1; got {args.threads}")
+    torch.set_num_threads(args.threads)
+    keras.mixed_precision.set_global_policy(args.policy)
+    build = resnet50 if args.model == "resnet50" else transformer
+    data = data_for(args.model, BATCHES * args.batch_size)
+    size = args.batch_size
+    batches = [
+        (
+            torch.as_tensor(data.x_train[i * size : (i + 1) * size]),
+            torch.as_tensor(data.y_train[i * size : (i + 1) * size]),
+        )
+        for i in range(BATCHES)
+    ]
+    models = contenders(build, OPTIMIZERS[args.optimizer], args.peer)
+    print(
+        f"{args.model}: {args.optimizer}, policy {args.policy}, {args.steps} interleaved steps of "
+        f"{size}; torch {torch.__version__}, {args.threads} threads, Keras {keras.__version__}"
+    )
+    times = interleaved_steps(models, batches, args.steps)
+    print_step_ratios(times)
+
+
+if __name__ == "__main__":
+    main()
