@@ -50,6 +50,32 @@ def contenders(build, optimizer, peer: bool) -> dict[str, keras.Model]:
     return models
 
 
+def step_benchmark_arguments(description: str, backend: str, argv=None, threads: bool = False):
+    """The options the JAX and torch step benchmarks share, parsed and
+    checked (on `backend` only: each times its own backend's step)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", choices=["resnet50", "transformer"], default="transformer")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
+    parser.add_argument("--policy", default="float32", choices=POLICIES)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=300, help="interleaved rounds of one step each")
+    if threads:
+        parser.add_argument("--threads", type=int, default=2, help="intra-op threads")
+    parser.add_argument(
+        "--peer", action="store_true", help="also time stock keras.Model with Keras's LossScaleOptimizer"
+    )
+    args = parser.parse_args(argv)
+    if keras.backend.backend() != backend:
+        parser.error(f"runs on Keras's {backend} backend; KERAS_BACKEND is {keras.backend.backend()!r}")
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1; got {args.steps}")
+    if threads and args.threads < 1:
+        parser.error(f"--threads must be at least 1; got {args.threads}")
+    return args
+
+
 def add_real_model_options(parser, policies, models) -> None:
     """The options real_models.py and step_overhead.py share."""
     parser.add_argument("--model", choices=models, default=models[-1])

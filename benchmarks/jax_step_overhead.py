@@ -19,7 +19,6 @@ non-finite step (but not BatchNormalization's statistics).
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
@@ -27,7 +26,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import jax
 import keras
-from _timing import BATCHES, OPTIMIZERS, POLICIES, contenders, print_step_ratios
+from _timing import BATCHES, OPTIMIZERS, contenders, print_step_ratios, step_benchmark_arguments
 from real_models import data_for, resnet50, transformer
 
 
@@ -68,20 +67,7 @@ def interleaved_steps(models, batches, steps: int) -> dict[str, list[float]]:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["resnet50", "transformer"], default="transformer")
-    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
-    parser.add_argument("--policy", default="float32", choices=POLICIES)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=300, help="interleaved rounds of one step each")
-    parser.add_argument(
-        "--peer", action="store_true", help="also time stock keras.Model with Keras's LossScaleOptimizer"
-    )
-    args = parser.parse_args(argv)
-    if keras.backend.backend() != "jax":
-        parser.error(f"runs on Keras's JAX backend; KERAS_BACKEND is {keras.backend.backend()!r}")
-    if args.steps < 1:
-        parser.error(f"--steps must be at least 1; got {args.steps}")
+    args = step_benchmark_arguments(__doc__.splitlines()[0], "jax", argv, threads=False)
     keras.mixed_precision.set_global_policy(args.policy)
     build = resnet50 if args.model == "resnet50" else transformer
     data = data_for(args.model, BATCHES * args.batch_size)

@@ -19,7 +19,6 @@ deferred) and (`--peer`) stock `keras.Model` with Keras's own
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
@@ -27,7 +26,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras
 import torch
-from _timing import BATCHES, OPTIMIZERS, POLICIES, contenders, print_step_ratios
+from _timing import BATCHES, OPTIMIZERS, contenders, print_step_ratios, step_benchmark_arguments
 from real_models import data_for, resnet50, transformer
 
 
@@ -53,23 +52,7 @@ def interleaved_steps(models, batches, steps: int) -> dict[str, list[float]]:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["resnet50", "transformer"], default="transformer")
-    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
-    parser.add_argument("--policy", default="float32", choices=POLICIES)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=2, help="torch's intra-op threads")
-    parser.add_argument("--steps", type=int, default=300, help="interleaved rounds of one step each")
-    parser.add_argument(
-        "--peer", action="store_true", help="also time stock keras.Model with Keras's LossScaleOptimizer"
-    )
-    args = parser.parse_args(argv)
-    if keras.backend.backend() != "torch":
-        parser.error(f"runs on Keras's torch backend; KERAS_BACKEND is {keras.backend.backend()!r}")
-    if args.steps < 1:
-        parser.error(f"--steps must be at least 1; got {args.steps}")
-    if args.threads < 1:
-        parser.error(f"--threads must be at least 1; got {args.threads}")
+    args = step_benchmark_arguments(__doc__.splitlines()[0], "torch", argv, threads=True)
     torch.set_num_threads(args.threads)
     keras.mixed_precision.set_global_policy(args.policy)
     build = resnet50 if args.model == "resnet50" else transformer

@@ -9,41 +9,13 @@ import jax
 import keras
 import numpy as np
 import pytest
+from backend_helpers import data as _data
+from backend_helpers import functional as _functional
+from backend_helpers import state as _state
 
 import mp_callbacks as mp
 
 pytestmark = pytest.mark.skipif(keras.backend.backend() != "jax", reason="the JAX backend's tests")
-
-OURS = "mp_loss_scale_"
-
-
-def _data(n=32, features=4, seed=0):
-    rng = np.random.default_rng(seed)
-    return rng.normal(size=(n, features)).astype("float32"), rng.normal(size=(n, 1)).astype("float32")
-
-
-def _functional(cls=keras.Model, batch_norm=True, dropout=True, **kwargs):
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((4,))
-    h = keras.layers.Dense(8)(inputs)
-    if batch_norm:
-        h = keras.layers.BatchNormalization()(h)
-    if dropout:
-        h = keras.layers.Dropout(0.2)(h)
-    outputs = keras.layers.Dense(1, dtype="float32")(h)
-    return cls(inputs, outputs, **kwargs)
-
-
-def _state(model):
-    """Every variable of the model and its optimizer but the scale's own,
-    by path, as NumPy values."""
-    variables = list(model.variables) + list(model.optimizer.variables)
-    return {v.path: np.array(v.numpy()) for v in variables if OURS not in v.path}
-
-
-def _values(model):
-    """The same, in order (paths differ between two models' names)."""
-    return list(_state(model).values())
 
 
 def test_runs_without_tensorflow():

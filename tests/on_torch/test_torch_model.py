@@ -11,6 +11,8 @@ import sys
 import keras
 import numpy as np
 import pytest
+from backend_helpers import OURS, functional
+from backend_helpers import data as _data
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scale_reference import configs
@@ -23,29 +25,12 @@ torch = pytest.importorskip("torch")
 
 pytestmark = pytest.mark.skipif(keras.backend.backend() != "torch", reason="the torch backend's tests")
 
-OURS = "mp_loss_scale_"
 #: What turns a tensor into a Python value: on a GPU, each waits for the device.
 HOST_READS = ("__bool__", "__float__", "__int__", "__index__", "item", "tolist", "numpy", "cpu")
 
 
-def _data(n=32, features=4, seed=0):
-    rng = np.random.default_rng(seed)
-    return rng.normal(size=(n, features)).astype("float32"), rng.normal(size=(n, 1)).astype("float32")
-
-
 def _functional(cls=keras.Model, batch_norm=True, **kwargs):
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((4,))
-    h = keras.layers.Dense(8)(inputs)
-    if batch_norm:
-        h = keras.layers.BatchNormalization()(h)
-    outputs = keras.layers.Dense(1, dtype="float32")(h)
-    return cls(inputs, outputs, **kwargs)
-
-
-def _state(model):
-    variables = list(model.variables) + list(model.optimizer.variables)
-    return {v.path: np.array(v.numpy()) for v in variables if OURS not in v.path}
+    return functional(cls, batch_norm=batch_norm, dropout=False, **kwargs)
 
 
 @contextlib.contextmanager

@@ -375,6 +375,19 @@ class VariableScaleModel(keras.Model):
         self._count_gradients()  # before Keras gathers the step's state
         return super().make_train_function(force=force)
 
+    def _loss_scaling_settings(self) -> _scale_state.ScaleSettings:
+        """The settings a backend's `loss_scaling()` scales with, once it
+        may: compiled, and not under Keras's own LossScaleOptimizer."""
+        if self._mp_settings is None:
+            raise RuntimeError("MixedPrecisionModel must be compiled before training.")
+        if isinstance(getattr(self, "optimizer", None), keras.optimizers.LossScaleOptimizer):
+            raise RuntimeError(
+                f"{type(self).__name__}.loss_scaling(): self.optimizer is Keras's LossScaleOptimizer, "
+                "which scales and unscales on its own; scaling with loss_scaling() as well would "
+                "unscale twice. Compile with auto_scale_loss=False to scale with loss_scaling()."
+            )
+        return self._mp_settings
+
     def epoch_sample_count(self) -> float:
         """Samples trained on in the current epoch (a host read)."""
         return float(ops.convert_to_numpy(self._mp_epoch["epoch_samples"].value))

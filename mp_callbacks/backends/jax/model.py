@@ -58,18 +58,11 @@ class MixedPrecisionModel(VariableScaleModel):
         """The loss scale for one stateless step, read from the step's
         `non_trainable_variables` (see `LossScaling`): what this model's
         own `train_step` uses, and yours can (a GAN's two optimizers)."""
-        if self._mp_settings is None:
-            raise RuntimeError("MixedPrecisionModel must be compiled before training.")
-        if isinstance(getattr(self, "optimizer", None), keras.optimizers.LossScaleOptimizer):
-            raise RuntimeError(
-                f"{type(self).__name__}.loss_scaling(): self.optimizer is Keras's LossScaleOptimizer, "
-                "which scales and unscales on its own; scaling with loss_scaling() as well would "
-                "unscale twice. Compile with auto_scale_loss=False to scale with loss_scaling()."
-            )
+        settings = self._loss_scaling_settings()
         positions = {id(v): i for i, v in enumerate(self.non_trainable_variables)}
         ours = {**self._mp_state, **self._mp_epoch, **self._mp_counts}
         return jax_step.LossScaling(
-            self._mp_settings, {name: positions[id(v)] for name, v in ours.items()}, non_trainable_variables
+            settings, {name: positions[id(v)] for name, v in ours.items()}, non_trainable_variables
         )
 
     def train_step(self, state: Any, data: Any) -> tuple[dict[str, Any], Any]:

@@ -39,17 +39,8 @@ class MixedPrecisionModel(VariableScaleModel):
         """The loss scale for one torch step (see `LossScaling`): what this
         model's own `train_step` uses, and yours can (a GAN's two
         optimizers)."""
-        if self._mp_settings is None:
-            raise RuntimeError("MixedPrecisionModel must be compiled before training.")
-        if isinstance(getattr(self, "optimizer", None), keras.optimizers.LossScaleOptimizer):
-            raise RuntimeError(
-                f"{type(self).__name__}.loss_scaling(): self.optimizer is Keras's LossScaleOptimizer, "
-                "which scales and unscales on its own; scaling with loss_scaling() as well would "
-                "unscale twice. Compile with auto_scale_loss=False to scale with loss_scaling()."
-            )
-        return torch_step.LossScaling(
-            self._mp_settings, {**self._mp_state, **self._mp_epoch, **self._mp_counts}
-        )
+        settings = self._loss_scaling_settings()
+        return torch_step.LossScaling(settings, {**self._mp_state, **self._mp_epoch, **self._mp_counts})
 
     def train_step(self, data: Any) -> dict[str, Any]:
         """Keras's torch step, loss-scaled and skipped as one: check once,
