@@ -305,6 +305,24 @@ def recording_stateless_scope(mapping: list[tuple[Any, Any]], record: Callable[[
     return RecordingScope(state_mapping=mapping)
 
 
+class _DeferringScope(keras.StatelessScope):
+    """See `deferring_stateless_scope` (one class, made once: torch.compile
+    guards on the scope's type, and a class per call would recompile the
+    step every time)."""
+
+    def __init__(self) -> None:
+        super().__init__(collect_losses=True)
+        self._written: dict[int, Any] = {}
+
+    def add_update(self, update: tuple[Any, Any]) -> None:
+        variable, _ = update
+        self._written[id(variable)] = variable
+        super().add_update(update)
+
+    def writes(self) -> list[tuple[Any, Any]]:
+        return [(v, self.get_current_value(v)) for v in self._written.values()]
+
+
 def deferring_stateless_scope() -> Any:
     """A `keras.StatelessScope` that keeps every `variable.assign(value)`
     made in it aside instead of writing it (later reads in the scope see
@@ -312,21 +330,7 @@ def deferring_stateless_scope() -> Any:
     `scope.writes()` lists each written variable once, with its last
     value. Keras hands every write in a stateless scope to
     `StatelessScope.add_update`, which this overrides."""
-
-    class DeferringScope(keras.StatelessScope):
-        def __init__(self) -> None:
-            super().__init__(collect_losses=True)
-            self._written: dict[int, Any] = {}
-
-        def add_update(self, update: tuple[Any, Any]) -> None:
-            variable, _ = update
-            self._written[id(variable)] = variable
-            super().add_update(update)
-
-        def writes(self) -> list[tuple[Any, Any]]:
-            return [(v, self.get_current_value(v)) for v in self._written.values()]
-
-    return DeferringScope()
+    return _DeferringScope()
 
 
 def optimizer_own_variables(optimizer: Any) -> list[Any]:

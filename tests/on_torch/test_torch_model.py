@@ -314,3 +314,27 @@ def test_the_state_machine_in_torchs_own_functions_equals_it_in_keras_ops(config
             # (Keras 3.15's maximum of two int64 tensors on torch is int32;
             # the variables it is written to keep their dtype.)
             np.testing.assert_array_equal(value.numpy(), other.numpy(), err_msg=name)
+
+
+@pytest.mark.slow
+def test_under_torch_compile_the_step_skips_exactly_and_compiles_once(caplog):
+    # jit_compile=True runs the step through torch.compile: the host
+    # decision is a graph break, not a recompile per step.
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = _functional(mp.MixedPrecisionModel)
+    model.compile(keras.optimizers.Adam(1e-3), "mse", jit_compile=True)
+    assert model.jit_compile
+    x, y = _data(32)
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0).history
+    assert set(mp.LOG_KEYS) <= set(history) and len(history["loss"]) == 2
+    before = {
+        v.path: np.array(v.numpy()) for v in model.variables + model.optimizer.variables if OURS not in v.path
+    }
+    bad = x[:8].copy()
+    bad[0, 0] = np.nan
+    assert model.fit(bad, y[:8], verbose=0).history["skipped_steps"] == [1.0]
+    after = {
+        v.path: np.array(v.numpy()) for v in model.variables + model.optimizer.variables if OURS not in v.path
+    }
+    assert [p for p in before if not np.array_equal(before[p], after[p])] == []
+    assert "recompile_limit" not in caplog.text

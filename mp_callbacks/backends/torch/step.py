@@ -117,6 +117,7 @@ class LossScaling:
             unscaled.append(grad * by_dtype[grad.dtype])
         return unscaled
 
+    @torch.compiler.disable
     def check(self, grads: Sequence[Any], losses: Any) -> StepOutcome:
         """The step's one decision, over all its (unscaled) gradients and
         its loss or losses: applied only if every gradient is finite. Its
@@ -128,6 +129,7 @@ class LossScaling:
         self._decisions[id(outcome.applied)] = finite
         return outcome
 
+    @torch.compiler.disable
     def applies(self, outcome: StepOutcome) -> bool:
         """Whether the step applies, as `check` read it (no further host read)."""
         key = id(outcome.applied)
