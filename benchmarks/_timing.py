@@ -76,6 +76,18 @@ def step_benchmark_arguments(description: str, backend: str, argv=None, threads:
     return args
 
 
+def step_batches(data, batch_size: int) -> list[tuple]:
+    """`BATCHES` batches of `data`'s training split as the backend's tensors
+    (the JAX and torch step benchmarks)."""
+    return [
+        tuple(
+            keras.ops.convert_to_tensor(part[i * batch_size : (i + 1) * batch_size])
+            for part in (data.x_train, data.y_train)
+        )
+        for i in range(BATCHES)
+    ]
+
+
 def add_real_model_options(parser, policies, models) -> None:
     """The options real_models.py and step_overhead.py share."""
     parser.add_argument("--model", choices=models, default=models[-1])

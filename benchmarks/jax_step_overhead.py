@@ -26,7 +26,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import jax
 import keras
-from _timing import BATCHES, OPTIMIZERS, contenders, print_step_ratios, step_benchmark_arguments
+from _timing import BATCHES, OPTIMIZERS, contenders, print_step_ratios, step_batches, step_benchmark_arguments
 from real_models import data_for, resnet50, transformer
 
 
@@ -72,13 +72,7 @@ def main(argv=None):
     build = resnet50 if args.model == "resnet50" else transformer
     data = data_for(args.model, BATCHES * args.batch_size)
     size = args.batch_size
-    batches = [
-        (
-            jax.numpy.asarray(data.x_train[i * size : (i + 1) * size]),
-            jax.numpy.asarray(data.y_train[i * size : (i + 1) * size]),
-        )
-        for i in range(BATCHES)
-    ]
+    batches = step_batches(data, size)
     models = contenders(build, OPTIMIZERS[args.optimizer], args.peer)
     print(
         f"{args.model}: {args.optimizer}, policy {args.policy}, {args.steps} interleaved steps of "
