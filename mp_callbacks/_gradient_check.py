@@ -9,7 +9,7 @@ the step's decision.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from mp_callbacks._backend import BACKEND, counter_dtype, keras, tf
@@ -18,7 +18,6 @@ __all__ = [
     "CheckedGradients",
     "applied_norm",
     "check_gradients",
-    "check_gradients_on_host",
     "decision",
     "nonfinite_flag",
 ]
@@ -104,37 +103,6 @@ def check_gradients(grads: Sequence[Any]) -> CheckedGradients:
         exact_check,
     )
     return CheckedGradients(flags, ops.sqrt(2.0 * total), all_finite)
-
-
-def check_gradients_on_host(
-    grads: Sequence[Any],
-    global_norm: Any = None,
-    all_finite_everywhere: Callable[[Any], Any] | None = None,
-    xp: Any = None,
-) -> tuple[CheckedGradients, bool]:
-    """`check_gradients` for a step that branches on the host (torch's, as
-    `torch.amp.GradScaler`'s): the gradients' global norm in one pass (the
-    backend's fused one if it gives `global_norm`), whose finiteness is
-    read on the host once (the step's one sync, which is also its
-    decision), and the exact per-gradient flags computed only where this
-    process's gradients are not finite. `all_finite_everywhere` turns this
-    process's answer into every process's (a reduction across ranks)
-    before the read, so that all ranks take one decision; `xp`, the
-    backend's own functions for the healthy path (see `_scale_state.transition`)."""
-    ops = keras.ops if xp is None else xp
-    grads = list(grads)
-    if global_norm is None:
-        global_norm = ops.sqrt(2.0 * _total([half_sum_of_squares(g) for g in grads])) if grads else None
-    if global_norm is None:
-        global_norm = ops.zeros((), "float32")
-    finite_here = ops.isfinite(global_norm)
-    finite_everywhere = finite_here if all_finite_everywhere is None else all_finite_everywhere(finite_here)
-    finite = bool(finite_everywhere)  # the one host read
-    if finite or not grads:
-        flags = ops.zeros([len(grads)], _FLAG)
-    else:  # a skipped step only
-        flags = ops.convert_to_tensor(keras.ops.stack([nonfinite_flag(g) for g in grads]))
-    return CheckedGradients(flags, global_norm, ops.convert_to_tensor(finite)), finite
 
 
 def decision(checked: CheckedGradients | None, flags: Any, replicas: int = 1) -> Any:

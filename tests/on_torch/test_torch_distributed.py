@@ -64,6 +64,11 @@ def test_a_nan_on_one_rank_skips_the_step_on_every_rank(mode, tmp_path):
 
 
 def test_mixed_precision_model_fit_skips_on_every_rank(tmp_path):
-    for steps in _run("fit", tmp_path):
+    first, second = _run("fit", tmp_path)
+    for steps in (first, second):
         assert [s["skipped"] for s in steps] == [0.0, 1.0, 0.0]
         assert [s["iterations"] for s in steps] == [1, 1, 2]
+        # Only rank 1's loss was NaN: the loss's flag is reduced with the
+        # gradients', so both ranks count it alike and their scales agree.
+        assert [s["state"]["nonfinite_loss_steps"] for s in steps] == [0.0, 1.0, 1.0]
+    assert [s["state"] for s in first] == [s["state"] for s in second]

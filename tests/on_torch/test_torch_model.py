@@ -316,6 +316,63 @@ def test_the_state_machine_in_torchs_own_functions_equals_it_in_keras_ops(config
             np.testing.assert_array_equal(value.numpy(), other.numpy(), err_msg=name)
 
 
+_SCALES = st.one_of(
+    st.floats(2.0**-24, 2.0**30, width=32),
+    st.sampled_from([0.0, -1.0, -(2.0**10), float("inf"), float("-inf"), float("nan")]),
+)
+_COUNTS = st.integers(0, 2**40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    config=configs(),
+    scale=_SCALES,
+    lowest=_SCALES,
+    counters=st.fixed_dictionaries(dict.fromkeys(_scale_state.COUNTERS, _COUNTS)),
+    epoch=st.lists(st.integers(0, 1000).map(float), min_size=4, max_size=4),
+    norm=st.one_of(st.floats(0.0, 2.0**100, width=32), st.just(float("nan"))),
+    loss_diverged=st.booleans(),
+    batch_size=st.integers(1, 512),
+)
+def test_an_applied_step_in_place_equals_the_state_machine_bit_for_bit(
+    config, scale, lowest, counters, epoch, norm, loss_diverged, batch_size
+):
+    """The healthy step's update on the host, from the one read
+    (`backends/torch/applied_step`), against the general transition with
+    `applied` true, on any state: hand-written scales (0, negative, inf,
+    NaN) and counters included."""
+    from mp_callbacks.backends.torch import tensor_ops
+    from mp_callbacks.backends.torch.applied_step import (
+        EPOCH_READ,
+        READ_WITH_THE_DECISION,
+        update_after_applied_step,
+    )
+    from mp_callbacks.backends.torch.step import read_on_host
+
+    settings_ = _scale_state.ScaleSettings.checked(**config)
+    start = {name: torch.tensor(value, dtype=torch.int64) for name, value in counters.items()}
+    start.update(scale=torch.tensor(scale, dtype=torch.float32), lowest_scale=torch.tensor(lowest))
+    names = ("epoch_norm_sum", "epoch_applied", "epoch_skipped", "epoch_samples")
+    start.update({name: torch.tensor(value) for name, value in zip(names, epoch)})
+    flags = torch.tensor([0, 0, int(loss_diverged)], dtype=torch.int64)
+    outcome = StepOutcome(torch.tensor(True), flags, torch.tensor(norm))
+    expected, expected_logs = finished_state(settings_, start, outcome, batch_size, tensor_ops)
+    ours = {name: value.clone() for name, value in start.items()}
+    loss = torch.tensor(float("nan") if loss_diverged else 0.25)
+    reading = read_on_host(
+        outcome.global_norm, loss, {n: ours[n] for n in READ_WITH_THE_DECISION + EPOCH_READ}
+    )
+    assert reading.loss_diverged == loss_diverged and reading.applied == np.isfinite(norm)
+    logs = update_after_applied_step(
+        settings_, ours, reading.values, loss_diverged, outcome.global_norm, batch_size
+    )
+    for name, value in expected.items():
+        np.testing.assert_array_equal(ours[name].numpy(), value.to(ours[name].dtype).numpy(), err_msg=name)
+    assert set(logs) == set(expected_logs)
+    for key, value in expected_logs.items():
+        np.testing.assert_array_equal(np.float32(logs[key]), np.asarray(value), err_msg=key)
+
+
 @pytest.mark.slow
 def test_under_torch_compile_the_step_skips_exactly_and_compiles_once(caplog):
     # jit_compile=True runs the step through torch.compile: the host

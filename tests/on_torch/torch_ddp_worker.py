@@ -79,6 +79,7 @@ def _fit(rank: int) -> list[dict]:
                 "iterations": int(model.optimizer.iterations.numpy()),
                 "skipped": logs["skipped_steps"][0],
                 "scale": model.get_scale(),
+                "state": {k: float(v) for k, v in model.loss_scale_state().items()},
             }
         )
     return steps

@@ -14,10 +14,10 @@ import torch
 
 from mp_callbacks import _scale_state
 from mp_callbacks._backend import keras
-from mp_callbacks._gradient_check import check_gradients_on_host
 from mp_callbacks.backends.common.loss_scale_optimizer import VariableScaleOptimizer
 from mp_callbacks.backends.torch import tensor_ops
-from mp_callbacks.backends.torch.step import finite_on_every_rank, global_norm
+from mp_callbacks.backends.torch.applied_step import READ_WITH_THE_DECISION, update_after_applied_step
+from mp_callbacks.backends.torch.step import check_on_host
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -54,12 +54,12 @@ class LossScaleOptimizer(VariableScaleOptimizer):
     def _apply_if_finite(
         self, grads: list[Any], inner: list[Any], trainable: list[Any]
     ) -> tuple[Any, Any, list[Any], list[Any]]:
-        checked, finite = check_gradients_on_host(grads, global_norm(grads), finite_on_every_rank, tensor_ops)
-        if finite:
+        outcome, reading = check_on_host(grads)
+        if reading.applied:
             trainable, inner = (
                 list(v) for v in self.inner_optimizer.stateless_apply(inner, grads, trainable)
             )
-        return checked.all_finite, checked.flags, trainable, inner
+        return outcome.applied, outcome.flags[:-1], trainable, inner
 
     def apply(self, grads: Iterable[Any], trainable_variables: Iterable[Any] | None = None) -> None:
         """Keras 3's stateful apply: unscale once, check once, one host
@@ -68,15 +68,18 @@ class LossScaleOptimizer(VariableScaleOptimizer):
         grads = list(grads)
         variables = self._resolved_variables(trainable_variables)
         grads = self._unscaled(grads, self._mp_state["scale"].value)
-        checked, finite = check_gradients_on_host(grads, global_norm(grads), finite_on_every_rank, tensor_ops)
+        # No loss is seen here: its flag is 0 (a skip is an overflow).
+        state = {name: variable.value for name, variable in self._mp_state.items()}
+        outcome, reading = check_on_host(grads, None, {name: state[name] for name in READ_WITH_THE_DECISION})
         with torch.no_grad():
-            if finite:
+            if reading.applied and reading.values is not None:
                 self.inner_optimizer.apply(grads, variables)
-            # No loss is seen here: its flag is 0 (a skip is an overflow).
-            flags = torch.cat([checked.flags, torch.zeros((1,), dtype=checked.flags.dtype)])
-            state = {name: variable.value for name, variable in self._mp_state.items()}
+                update_after_applied_step(
+                    self.scaler.settings, state, reading.values, False, outcome.global_norm
+                )
+                return
             after = _scale_state.transition(
-                self.scaler.settings, state, flags, checked.all_finite, tensor_ops
+                self.scaler.settings, state, outcome.flags, outcome.applied, tensor_ops
             )
             for name, variable in self._mp_state.items():
                 variable.value.copy_(after[name])  # in place, as Keras's own assign writes it

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from mp_callbacks._backend import keras
 from mp_callbacks._keras_internals import call_has_training_arg, compute_loss, loss_tracker
 from mp_callbacks._model_building import LOG_KEYS
@@ -40,7 +42,23 @@ class MixedPrecisionModel(VariableScaleModel):
         model's own `train_step` uses, and yours can (a GAN's two
         optimizers)."""
         settings = self._loss_scaling_settings()
-        return torch_step.LossScaling(settings, {**self._mp_state, **self._mp_epoch, **self._mp_counts})
+        variables = {**self._mp_state, **self._mp_epoch, **self._mp_counts}
+        if torch.compiler.is_compiling():  # traced: the graph holds the tensors
+            return torch_step.LossScaling(settings, variables)
+        return torch_step.LossScaling(settings, variables, self._mp_tensors_of(variables))
+
+    def _mp_tensors_of(self, variables: dict[str, Any]) -> dict[str, Any]:
+        """The state variables' tensors, by name, looked up once: Keras's
+        torch variables keep their tensor for life (`assign` copies into
+        it), and a `.value` per variable per step is a share of a small
+        step. New variables (compile's, the per-variable counters) make a
+        new lookup."""
+        key = tuple(id(variable) for variable in variables.values())
+        cached = self.__dict__.get("_mp_tensors")
+        if cached is None or cached[0] != key:
+            cached = (key, {name: variable.value for name, variable in variables.items()})
+            object.__setattr__(self, "_mp_tensors", cached)
+        return cached[1]
 
     def train_step(self, data: Any) -> dict[str, Any]:
         """Keras's torch step, loss-scaled and skipped as one: check once,
