@@ -77,6 +77,13 @@ def _settings_dict(settings: _scale_state.ScaleSettings) -> dict[str, Any]:
     }
 
 
+def _is_ready(value: Any) -> bool:
+    """Whether an array's computation is done (JAX's `is_ready`); other
+    values are."""
+    is_ready = getattr(value, "is_ready", None)
+    return True if is_ready is None else bool(is_ready())
+
+
 class _KeptBatch:
     """The batch of the last skipped step, on the host: the step hands it
     over only where it is skipped, and a read first waits for `barrier`
@@ -86,8 +93,27 @@ class _KeptBatch:
         self.kept: tuple[Any, int] | None = None
         self.not_kept: str | None = None
         self._received: tuple[Any, Any] | None = None
+        self._watched: list[tuple[Any, Any, Any]] = []
         self._barrier = barrier
         self._lock = threading.Lock()
+
+    def watch(self, batch: Any, applied: Any, step: Any) -> None:
+        """Notes a step's batch with its decision and number (arrays whose
+        step may still run: JAX dispatches ahead), and keeps the batches
+        of the noted steps that are done and were skipped: no host read
+        waits on a step."""
+        with self._lock:
+            self._watched.append((batch, applied, step))
+        self._settle(wait=False)
+
+    def _settle(self, wait: bool) -> None:
+        while True:
+            with self._lock:
+                if not self._watched or not (wait or all(_is_ready(a) for a in self._watched[0][1:])):
+                    return
+                batch, applied, step = self._watched.pop(0)
+            if not bool(np.asarray(applied)):  # done: no wait
+                self.receive(batch, step)
 
     def receive(self, batch: Any, step: Any) -> None:
         """Keeps `batch` and `step` as they are (arrays, or tensors that no
@@ -100,6 +126,7 @@ class _KeptBatch:
     def read(self) -> tuple[Any, int] | None:
         if self._barrier is not None:
             self._barrier()
+        self._settle(wait=True)
         with self._lock:
             if self._received is not None:
                 batch, step = self._received

@@ -62,8 +62,42 @@ class MixedPrecisionModel(VariableScaleModel):
         positions = {id(v): i for i, v in enumerate(self.non_trainable_variables)}
         ours = {**self._mp_state, **self._mp_epoch, **self._mp_counts}
         return jax_step.LossScaling(
-            settings, {name: positions[id(v)] for name, v in ours.items()}, non_trainable_variables
+            settings,
+            {name: positions[id(v)] for name, v in ours.items()},
+            non_trainable_variables,
+            watched=self.__dict__.get("_mp_watching", False),
         )
+
+    def make_train_function(self, force: bool = False) -> None:
+        """Keras's train function, which also keeps the batch of a skipped
+        step (see `LossScaling.hand_over_if_skipped`): it notes the batch it
+        passes in with the decision and the step's number the step puts in
+        its logs, and takes those out of the logs."""
+        super().make_train_function(force)
+        inner: Any = self.train_function
+        if getattr(inner, "_mp_watches", False) or self.steps_per_execution != 1:
+            return
+
+        def train_function(state: Any, iterator: Any) -> Any:
+            drawn: list[Any] = []
+
+            def recorded() -> Any:
+                for data in iterator:
+                    drawn.append(data)
+                    yield data
+
+            object.__setattr__(self, "_mp_watching", True)  # read where the step is traced
+            try:
+                logs, state = inner(state, recorded())
+            finally:
+                object.__setattr__(self, "_mp_watching", False)
+            applied, step = (logs.pop(key, None) for key in jax_step.WATCH_KEYS)
+            if applied is not None and drawn:
+                self._mp_kept.watch(keras.utils.unpack_x_y_sample_weight(drawn[-1]), applied, step)
+            return logs, state
+
+        train_function._mp_watches = True  # type: ignore[attr-defined]
+        self.train_function = train_function  # type: ignore[assignment]
 
     def train_step(self, state: Any, data: Any) -> tuple[dict[str, Any], Any]:
         """Keras's JAX step, loss-scaled and skipped as one: check once,
