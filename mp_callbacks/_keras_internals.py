@@ -9,7 +9,7 @@ breaks a test here rather than a user's training run.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -331,6 +331,15 @@ def deferring_stateless_scope() -> Any:
     value. Keras hands every write in a stateless scope to
     `StatelessScope.add_update`, which this overrides."""
     return _DeferringScope()
+
+
+def add_in_place(tensors: list[Any], amounts: Sequence[float]) -> None:
+    """`tensor.add_(amount)` for each pair of torch tensors, in one call
+    (torch's `_foreach_add_`, as its own optimizers use: one dispatch, not
+    one per tensor; dtypes may differ). Checked by tests/on_torch."""
+    import torch
+
+    torch._foreach_add_(tensors, list(amounts))
 
 
 def optimizer_own_variables(optimizer: Any) -> list[Any]:

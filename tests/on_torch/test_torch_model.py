@@ -395,3 +395,14 @@ def test_under_torch_compile_the_step_skips_exactly_and_compiles_once(caplog):
     }
     assert [p for p in before if not np.array_equal(before[p], after[p])] == []
     assert "recompile_limit" not in caplog.text
+
+
+def test_adding_in_place_in_one_call_adds_to_each_tensor_in_its_dtype():
+    # torch._foreach_add_ (through the fence): the healthy step's counters
+    # (int64) and epoch figures (float32) in one call.
+    from mp_callbacks._keras_internals import add_in_place
+
+    counter, figure = torch.tensor(2**40, dtype=torch.int64), torch.tensor(0.5)
+    add_in_place([counter, figure], [1, 32.0])
+    assert counter.dtype == torch.int64 and int(counter) == 2**40 + 1
+    assert figure.dtype == torch.float32 and float(figure) == 32.5

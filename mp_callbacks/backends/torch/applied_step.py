@@ -6,10 +6,11 @@ Torch's step reads its decision on the host (`step.LossScaling.check`),
 and a healthy step is nearly every step. Its transition is the general
 one (`_scale_state.transition`, some eighty scalar ops, then a copy per
 variable) with `applied` known to be true; on the host, with the few
-values it needs read in the same read as the decision, it leaves five
-writes. Each scalar op a step adds costs it 2-30 microseconds (the last
-ones far more than the first: measured on a small Transformer,
-2026-12-04, Intel Xeon, 2 threads). A test holds this equal to the general
+values it needs read in the same read as the decision, it leaves two
+in-place calls on most steps (every counter in one, the epoch's norm sum),
+a few more where the scale grows or the loss diverged. Each scalar op a
+step adds costs it 2-30 microseconds (the last ones far more than the
+first: measured on a small Transformer, 2026-12-04, Intel Xeon, 2 threads). A test holds this equal to the general
 transition, bit for bit, on any state.
 """
 
@@ -20,6 +21,7 @@ import math
 import numpy as np
 import torch
 
+from mp_callbacks._keras_internals import add_in_place
 from mp_callbacks._scale_state import ScaleSettings
 
 __all__ = ["READ_WITH_THE_DECISION", "update_after_applied_step"]
@@ -61,17 +63,19 @@ def update_after_applied_step(
             new_scale = min(usable * _f32(settings.growth_factor), _f32(settings.max_scale))
     if not valid or new_scale != scale:
         values["scale"].fill_(float(new_scale))
+    # The increments go in one call: each in-place op is a dispatch.
+    counted, by = [values["step_count"]], [1]  # ints for the int64 counters
     if grow:
         values["good_steps"].zero_()
         values["hysteresis_left"].fill_(settings.hysteresis)
     else:
-        values["good_steps"].add_(1)
-    values["step_count"].add_(1)
+        counted.append(values["good_steps"])
+        by.append(1)
     run = int(read["divergent_run"])
     # Applied: divergent only where the loss itself was not finite.
     if loss_diverged:
-        values["nonfinite_loss_steps"].add_(1)
-        values["divergent_steps"].add_(1)
+        counted += [values["nonfinite_loss_steps"], values["divergent_steps"]]
+        by += [1, 1]
         values["divergent_run"].fill_(run + 1)
         values["max_divergent_run"].clamp_(min=run + 1)
     elif run != 0:
@@ -80,10 +84,10 @@ def update_after_applied_step(
     if new_scale < lowest:  # (a NaN lowest stays NaN, as torch.minimum keeps it)
         values["lowest_scale"].fill_(float(new_scale))
     if batch_size is None:
+        add_in_place(counted, by)
         return {"loss_scale": float(new_scale)}
     values["epoch_norm_sum"].add_(global_norm)
-    values["epoch_applied"].add_(1.0)
-    values["epoch_samples"].add_(float(batch_size))
+    add_in_place(counted + [values["epoch_applied"], values["epoch_samples"]], by + [1.0, float(batch_size)])
     norm_sum = _f32(read["epoch_norm_sum"]) + _f32(read["global_norm"])
     applied = _f32(read["epoch_applied"]) + _f32(1.0)
     return {
