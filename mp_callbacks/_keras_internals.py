@@ -3,7 +3,8 @@
 Keras 3 does not promise these names; each is listed in `INTERNALS` with
 the Keras versions it was checked on, and `tests/test_keras_internals.py`
 checks every one, so that a Keras release that renames or changes one
-breaks a test here rather than a user's training run.
+breaks a test here rather than a user's training run. The one torch
+private (`add_in_place`) is checked by `tests/on_torch`, where torch is.
 """
 
 from __future__ import annotations
