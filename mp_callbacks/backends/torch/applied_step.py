@@ -10,8 +10,9 @@ values it needs read in the same read as the decision, it leaves two
 in-place calls on most steps (every counter in one, the epoch's norm sum),
 a few more where the scale grows or the loss diverged. Each scalar op a
 step adds costs it 2-30 microseconds (the last ones far more than the
-first: measured on a small Transformer, 2026-12-04, Intel Xeon, 2 threads). A test holds this equal to the general
-transition, bit for bit, on any state.
+first: measured on a small Transformer, 2026-12-04, Intel Xeon, 2
+threads). A test holds this equal to the general transition, bit for bit,
+on any state.
 """
 
 from __future__ import annotations
