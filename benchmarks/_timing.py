@@ -28,10 +28,11 @@ BATCHES = 8
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 
 
-def contenders(build, optimizer, peer: bool) -> dict[str, keras.Model]:
-    """Stock Keras, MixedPrecisionModel on a copy of the same layers and
-    (peer) stock Keras with Keras's LossScaleOptimizer, compiled alike (the
-    JAX and torch step benchmarks)."""
+def contenders(build, optimizer, peer: bool, revisions=()) -> dict[str, keras.Model]:
+    """Stock Keras, MixedPrecisionModel on a copy of the same layers,
+    MixedPrecisionModel as it was at each of `revisions` (git revisions of
+    this repository) and (peer) stock Keras with Keras's
+    LossScaleOptimizer, compiled alike (the JAX and torch step benchmarks)."""
     import mp_callbacks as mp
 
     models = {}
@@ -39,6 +40,14 @@ def contenders(build, optimizer, peer: bool) -> dict[str, keras.Model]:
     models["stock"] = build()
     keras.utils.set_random_seed(0)
     models["MixedPrecisionModel"] = mp.MixedPrecisionModel.from_model(build())
+    if revisions:
+        from _revisions import package_at
+
+        for revision in revisions:
+            keras.utils.set_random_seed(0)
+            models[f"MixedPrecisionModel@{revision}"] = package_at(revision).MixedPrecisionModel.from_model(
+                build()
+            )
     for model in models.values():
         model.compile(optimizer(), "sparse_categorical_crossentropy")
     if peer:
@@ -48,6 +57,16 @@ def contenders(build, optimizer, peer: bool) -> dict[str, keras.Model]:
             keras.optimizers.LossScaleOptimizer(optimizer()), "sparse_categorical_crossentropy"
         )
     return models
+
+
+def add_revisions_option(parser) -> None:
+    parser.add_argument(
+        "--revisions",
+        nargs="+",
+        default=[],
+        metavar="REV",
+        help="also time MixedPrecisionModel as it was at these git revisions",
+    )
 
 
 def step_benchmark_arguments(description: str, backend: str, argv=None, threads: bool = False):
@@ -66,6 +85,7 @@ def step_benchmark_arguments(description: str, backend: str, argv=None, threads:
     parser.add_argument(
         "--peer", action="store_true", help="also time stock keras.Model with Keras's LossScaleOptimizer"
     )
+    add_revisions_option(parser)
     args = parser.parse_args(argv)
     if keras.backend.backend() != backend:
         parser.error(f"runs on Keras's {backend} backend; KERAS_BACKEND is {keras.backend.backend()!r}")

@@ -73,7 +73,7 @@ def main(argv=None):
     data = data_for(args.model, BATCHES * args.batch_size)
     size = args.batch_size
     batches = step_batches(data, size)
-    models = contenders(build, OPTIMIZERS[args.optimizer], args.peer)
+    models = contenders(build, OPTIMIZERS[args.optimizer], args.peer, args.revisions)
     print(
         f"{args.model}: {args.optimizer}, policy {args.policy}, {args.steps} interleaved steps of "
         f"{size}; JAX {jax.__version__} on {jax.devices()[0].platform}, Keras {keras.__version__}"

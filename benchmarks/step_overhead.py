@@ -38,7 +38,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras
 import tensorflow as tf
 from _revisions import package_at
-from _timing import OPTIMIZERS, add_real_model_options, apply_threads, print_step_ratios
+from _timing import OPTIMIZERS, add_real_model_options, add_revisions_option, apply_threads, print_step_ratios
 from real_models import data_for, resnet50, transformer
 
 import mp_callbacks as mp
@@ -115,13 +115,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_real_model_options(parser, mp.POLICIES, ["resnet50", "transformer"])
     parser.add_argument("--steps", type=int, default=1000, help="interleaved rounds of one step each")
-    parser.add_argument(
-        "--revisions",
-        nargs="+",
-        default=[],
-        metavar="REV",
-        help="also time MixedPrecisionModel as it was at these git revisions",
-    )
+    add_revisions_option(parser)
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be at least 1; got {args.steps}")
