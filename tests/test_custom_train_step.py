@@ -429,3 +429,38 @@ def test_an_override_calling_super_train_step_is_one_step_traced_once():
     assert len(traces) <= 2
     assert history["my_custom_metric"] == [10.0] and history["skipped_steps"] == [0.0]
     assert model.scaler.diagnostics()["step_count"] == 100  # once per step, not twice
+
+
+def test_the_step_traced_by_a_users_own_tf_function_needs_no_autograph(monkeypatch):
+    # A user's `tf.function(model.train_step)` converts what it calls with
+    # AutoGraph (Keras's fit does not); the library's step is plain Python
+    # over the graph, and strict conversion raises where AutoGraph would
+    # only warn ("could not transform ... generators are not supported").
+    monkeypatch.setenv("AUTOGRAPH_STRICT_CONVERSION", "1")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.BatchNormalization()(keras.layers.Dense(4)(inputs))
+    model = mp.MixedPrecisionModel(inputs, keras.layers.Dense(3)(hidden), loss_scale=2.0**4)
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(0).normal(size=(8, 6)).astype("float32")
+    y = np.zeros(8, "int64")
+    step = tf.function(model.train_step)  # autograph=True, as users write it
+    step((x, y))
+    before = [v.numpy().copy() for v in model.variables if "loss_scale" not in v.path]
+    step((np.full_like(x, np.nan), y))
+    after = [v.numpy() for v in model.variables if "loss_scale" not in v.path]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    assert model.scaler.diagnostics()["skipped_steps"] == 1
+
+    scaler = mp.LossScaler(initial_scale=2.0**4)
+    optimizer = keras.optimizers.Adam()
+
+    @tf.function
+    def own_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(model.compute_loss(x=x, y=y, y_pred=model(x, training=True)))
+            scaled = scaler.scale(loss)
+        grads = scaler.unscale(tape.gradient(scaled, model.trainable_variables))
+        return scaler.apply_gradients(optimizer, grads, model.trainable_variables, loss=loss)
+
+    assert bool(own_step(x, y)) and not bool(own_step(np.full_like(x, np.nan), y))

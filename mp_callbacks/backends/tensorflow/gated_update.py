@@ -320,6 +320,7 @@ def gradients_after(
     return out
 
 
+@tf.autograph.experimental.do_not_convert
 def gated_apply(
     optimizer: Any,
     apply: Callable[[], None],

@@ -121,6 +121,7 @@ def finish_step(scaler: Any, record: StepRecord) -> None:
 
 
 # ------------------------------------------------------------- the step
+@_no_autograph
 def apply_unscaled(
     scaler: Any,
     optimizer: Any,
