@@ -15,8 +15,10 @@ from mp_callbacks_bench.cli import _version, main
 from mp_callbacks_bench.report import verdict
 from mp_callbacks_bench.settings import POLICIES
 
-# Its module-scoped fixtures are built once: the whole file runs on one xdist worker.
-pytestmark = pytest.mark.xdist_group("test_cli")
+# The `bench --quick` run takes minutes: the tests that read it share one
+# xdist group, so it is built on one worker, once. Only they: a group runs
+# on one worker, and the whole file there would be the suite's longest path.
+QUICK_BENCH_GROUP = pytest.mark.xdist_group("test_cli.quick_bench")
 
 RESULT_FIELDS = {
     "policy",
@@ -65,6 +67,7 @@ def quick_bench(tmp_path_factory):
 
 
 @pytest.mark.slow
+@QUICK_BENCH_GROUP
 def test_quick_bench_compares_every_policy_the_probe_does_not_rule_out(quick_bench):
     completed, paths = quick_bench
     assert completed.returncode == 0, completed.stderr[-2000:]
@@ -94,6 +97,7 @@ def test_quick_bench_compares_every_policy_the_probe_does_not_rule_out(quick_ben
 
 
 @pytest.mark.slow
+@QUICK_BENCH_GROUP
 def test_estimated_step_memory_shows_what_mixed_precision_changes(quick_bench):
     _, paths = quick_bench
     rows = {r["policy"]: r["estimated_step_memory"] for r in json.loads(paths["json"].read_text())["results"]}
@@ -107,6 +111,7 @@ def test_estimated_step_memory_shows_what_mixed_precision_changes(quick_bench):
 
 
 @pytest.mark.slow
+@QUICK_BENCH_GROUP
 def test_quick_bench_prints_table_verdict_and_writes_markdown_and_plot(quick_bench):
     completed, paths = quick_bench
     document = json.loads(paths["json"].read_text())
@@ -125,6 +130,7 @@ def test_quick_bench_prints_table_verdict_and_writes_markdown_and_plot(quick_ben
 
 
 @pytest.mark.slow
+@QUICK_BENCH_GROUP
 def test_no_tensorflow_start_up_lines_reach_the_terminal(quick_bench):
     # Seven processes (the command and six training runs) each print these
     # at start-up; none gets through, and the runs' own progress does.

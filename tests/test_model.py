@@ -16,11 +16,10 @@ import mp_callbacks as mp
 
 # Tiny layers (4 units) keep float16 cheap on CPU; compile's check_model
 # hint about Tensor-Core sizes is expected here and tested in test_model_checks.
-# Its module-scoped fixtures are built once: the whole file runs on one xdist worker.
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:check_model found:mp_callbacks.errors.MixedPrecisionWarning"),
-    pytest.mark.xdist_group("test_model"),
-]
+pytestmark = pytest.mark.filterwarnings("ignore:check_model found:mp_callbacks.errors.MixedPrecisionWarning")
+# The tests that read `trained_pair` share one xdist group, so it is built
+# once; the rest of the file spreads over the workers.
+TRAINED_PAIR_GROUP = pytest.mark.xdist_group("test_model.trained_pair")
 
 
 def _regression_graph(regularized: bool = False, two_outputs: bool = False):
@@ -100,6 +99,7 @@ def trained_pair():
     return model, stock, history, (x, y)
 
 
+@TRAINED_PAIR_GROUP
 def test_history_has_the_three_keys_every_epoch(trained_pair):
     model, _, history, _ = trained_pair
     logs = history.history
@@ -125,6 +125,7 @@ def test_grad_norm_is_the_mean_global_norm_of_unscaled_gradients():
     assert history["grad_norm"][0] == pytest.approx(float(expected), rel=1e-5)
 
 
+@TRAINED_PAIR_GROUP
 def test_evaluate_and_predict_behave_as_stock_keras(trained_pair):
     model, stock, _, (x, y) = trained_pair
     ours = model.evaluate(x, y, verbose=0, return_dict=True)
@@ -326,6 +327,7 @@ def test_bad_loss_scale_argument_is_named(bad):
         tiny_classifier(loss_scale=bad)
 
 
+@TRAINED_PAIR_GROUP
 def test_keras_save_and_load_keep_config_and_current_scale(tmp_path, trained_pair):
     model, _, _, (x, _) = trained_pair
     path = tmp_path / "model.keras"
