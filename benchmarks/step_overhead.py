@@ -46,7 +46,9 @@ import mp_callbacks as mp
 BATCHES = 8
 
 
-def contenders(build, optimizer, peer: bool, revisions=()) -> dict[str, keras.Model]:
+def contenders(
+    build, optimizer, peer: bool, revisions=(), jit_compile: bool = False
+) -> dict[str, keras.Model]:
     models = {}
     keras.utils.set_random_seed(0)
     models["stock"] = build()
@@ -57,7 +59,9 @@ def contenders(build, optimizer, peer: bool, revisions=()) -> dict[str, keras.Mo
         keras.utils.set_random_seed(0)
         models[f"MixedPrecisionModel@{revision}"] = package.MixedPrecisionModel.from_model(build())
     for model in models.values():
-        model.compile(optimizer(), "sparse_categorical_crossentropy")
+        # The model is told, as fit would tell it: MixedPrecisionModel keeps
+        # fixed-shape state under XLA.
+        model.compile(optimizer(), "sparse_categorical_crossentropy", jit_compile=jit_compile)
     if peer:
         keras.utils.set_random_seed(0)
         models["keras LossScaleOptimizer"] = build()
@@ -65,6 +69,7 @@ def contenders(build, optimizer, peer: bool, revisions=()) -> dict[str, keras.Mo
             keras.optimizers.LossScaleOptimizer(optimizer()),
             "sparse_categorical_crossentropy",
             auto_scale_loss=False,
+            jit_compile=jit_compile,
         )
     return models
 
@@ -72,7 +77,7 @@ def contenders(build, optimizer, peer: bool, revisions=()) -> dict[str, keras.Mo
 UPDATE = "stock update alone"
 
 
-def stock_update(model, batch):
+def stock_update(model, batch, jit_compile: bool = False):
     """Stock's optimizer update alone, as one call: the gradients of `batch`
     (computed once) applied to the model's variables."""
     x, y = batch
@@ -80,23 +85,23 @@ def stock_update(model, batch):
         loss = model.compute_loss(x=x, y=y, y_pred=model(x, training=True))
     gradients = tape.gradient(loss, model.trainable_variables)
 
-    @tf.function
+    @tf.function(jit_compile=jit_compile)
     def update():
         model.optimizer.apply(gradients, model.trainable_variables)
 
     return update
 
 
-def interleaved_steps(models, batches, steps: int) -> dict[str, list[float]]:
+def interleaved_steps(models, batches, steps: int, jit_compile: bool = False) -> dict[str, list[float]]:
     steps_of = {}
     for name, model in models.items():
         # One short fit builds the optimizer and metrics as fit would.
         x, y = batches[0]
         model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)
-        steps_of[name] = tf.function(model.train_step)
+        steps_of[name] = tf.function(model.train_step, jit_compile=jit_compile)
         for batch in batches[:3]:  # tracing and warm-up
             steps_of[name](batch)
-    update = stock_update(models["stock"], batches[0])
+    update = stock_update(models["stock"], batches[0], jit_compile)
     update()
     steps_of[UPDATE] = lambda batch: update()
     names = list(steps_of)
@@ -115,6 +120,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_real_model_options(parser, mp.POLICIES, ["resnet50", "transformer"])
     parser.add_argument("--steps", type=int, default=1000, help="interleaved rounds of one step each")
+    parser.add_argument(
+        "--jit-compile",
+        action="store_true",
+        help="compile every step with XLA, as Keras's jit_compile='auto' does on a GPU",
+    )
     add_revisions_option(parser)
     args = parser.parse_args(argv)
     if args.steps < 1:
@@ -131,15 +141,16 @@ def main(argv=None):
         for i in range(BATCHES)
     ]
     try:
-        models = contenders(build, OPTIMIZERS[args.optimizer], args.peer, args.revisions)
+        models = contenders(build, OPTIMIZERS[args.optimizer], args.peer, args.revisions, args.jit_compile)
     except ValueError as error:
         parser.error(str(error))
     print(
         f"{args.model}: {args.optimizer}, policy {args.policy}, {args.steps} interleaved steps of "
-        f"{args.batch_size}, threads {args.threads or 'default'}; "
+        f"{args.batch_size}, threads {args.threads or 'default'}"
+        f"{', XLA' if args.jit_compile else ''}; "
         f"TensorFlow {tf.__version__}, Keras {keras.__version__}"
     )
-    times = interleaved_steps(models, batches, args.steps)
+    times = interleaved_steps(models, batches, args.steps, args.jit_compile)
     update = times.pop(UPDATE)
     share = statistics.median(a / b for a, b in zip(update, times["stock"]))
     print(
