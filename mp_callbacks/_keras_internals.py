@@ -271,6 +271,20 @@ def register_serialized_name(cls: type, name: str) -> None:
     object_registration.GLOBAL_CUSTOM_NAMES[cls] = name
 
 
+def compiling_with_xla() -> bool:
+    """Whether the function being traced is compiled by XLA: a
+    `tf.function(jit_compile=True)` (Keras's `jit_compile=True` step is
+    one) or a function traced inside one. TensorFlow's own test, which
+    `tf.cond` and `tf.while_loop` use to choose their XLA form."""
+    from tensorflow.python.ops import control_flow_util
+
+    from mp_callbacks._backend import tf
+
+    if tf.executing_eagerly():
+        return False
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
 def tf_optimizer_class() -> type:
     """keras.src.backend.tensorflow.optimizer.TFOptimizer: the class whose
     writes (`assign`, `assign_add`, `assign_sub`) and weight decay Keras's
@@ -523,6 +537,20 @@ def _stateless_writes_recorded() -> bool:
     return bool(np.array_equal(kept, [6.0, 6.0]) and np.array_equal(seen, kept))
 
 
+def _xla_context_seen() -> bool:
+    from mp_callbacks._backend import tf
+
+    seen = []
+
+    def trace() -> Any:
+        seen.append(compiling_with_xla())
+        return tf.constant(0.0)
+
+    tf.function(trace, jit_compile=True).get_concrete_function()
+    tf.function(trace).get_concrete_function()
+    return seen == [True, False] and not compiling_with_xla()
+
+
 def _object_registration() -> bool:
     from keras.src.saving import object_registration
 
@@ -652,6 +680,11 @@ INTERNALS = (
         "KerasTensor._keras_history, Layer._inbound_nodes[].input_tensors",
         "model_checks.py (walking the layer graph)",
         _layer_graph,
+    ),
+    Internal(
+        "tensorflow.python.ops.control_flow_util.GraphOrParentsInXlaContext",
+        "backends/tensorflow/skip.py (under XLA the update is skipped by a cond)",
+        _xla_context_seen,
     ),
     Internal(
         "keras.src.backend.tensorflow.optimizer.TFOptimizer (_apply_weight_decay, assign*)",

@@ -7,12 +7,16 @@ and each `restore_on_skip` pair is assigned back. Three mechanisms keep it:
 
 * ``"cond"``, the reference: the update inside `tf.cond(decision, ...)`,
   as Keras's own `LossScaleOptimizer` does it. Used eagerly (where a cond is
-  a Python `if`), for an update that cannot be gated, and under a strategy
-  that needs no `merge_call`.
+  a Python `if`), under XLA (`jit_compile=True`, Keras's default on a GPU),
+  for an update that cannot be gated, and under a strategy that needs no
+  `merge_call`.
 * ``"gated"``: no cond; the update runs and each write it makes is gated
   on the decision (`mp_callbacks.backends.tensorflow.gated_update`), so healthy steps do not
   wait behind the cond (`benchmarks/skip_mechanics.py` measures the cond's
-  cost). Graph mode without a strategy. Tested bit for bit against "cond".
+  cost). Graph mode without a strategy or XLA. Tested bit for bit against
+  "cond". XLA compiles a cond's branch into the step and fuses the update
+  there, where the gated writes measured 1 to 2 points slower
+  (docs/design.md, "Under XLA").
 * ``"cross_replica"``: under a strategy whose optimizer update
   `merge_call`s, the cond is taken in cross-replica context, since a cond
   whose branch `merge_call`s cannot run in a replica context.
@@ -24,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mp_callbacks._backend import tf
-from mp_callbacks._keras_internals import strategy_supports_no_merge_call
+from mp_callbacks._keras_internals import compiling_with_xla, strategy_supports_no_merge_call
 from mp_callbacks.backends.tensorflow.gated_update import gated_apply, gradients_after
 
 __all__ = ["MECHANISMS", "apply_or_skip", "restore_if_skipped"]
@@ -68,13 +72,17 @@ def apply_or_skip(
             gated sparse write go ahead without waiting for `decision`.
         mechanism: force one of `MECHANISMS` (tests compare them); default
             None chooses: "cross_replica" under a `merge_call` strategy,
-            else "gated" when the update can be gated, else "cond".
+            "cond" under XLA, else "gated" when the update can be gated,
+            else "cond".
     """
     restore_on_skip = list(restore_on_skip)
     restore_variables = [variable for variable, _ in restore_on_skip]
     restore_values = [value for _, value in restore_on_skip]
     if mechanism is None:
-        mechanism = "cross_replica" if _needs_merge_call() else "gated"
+        if _needs_merge_call():
+            mechanism = "cross_replica"
+        else:
+            mechanism = "cond" if compiling_with_xla() else "gated"
     if mechanism == "gated":
         if not tf.distribute.has_strategy() and gated_apply(
             optimizer,
