@@ -94,18 +94,27 @@ def interleaved(functions, rounds: int) -> dict[str, list[float]]:
     return times
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=60, help="interleaved rounds (default 60)")
+def parse_with_rounds(parser, argv, default_rounds: int):
+    """Adds --rounds and --threads to `parser`, parses `argv`, applies the
+    threads; returns the arguments and ResNet50's variable shapes (the
+    setup every update-alone benchmark shares)."""
     parser.add_argument(
-        "--optimizers", nargs="+", choices=sorted(OPTIMIZERS), default=sorted(OPTIMIZERS), metavar="NAME"
+        "--rounds", type=int, default=default_rounds, help=f"interleaved rounds (default {default_rounds})"
     )
     add_threads_option(parser)
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1; got {args.rounds}")
     apply_threads(args.threads)
-    shapes = resnet50_shapes()
+    return args, resnet50_shapes()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--optimizers", nargs="+", choices=sorted(OPTIMIZERS), default=sorted(OPTIMIZERS), metavar="NAME"
+    )
+    args, shapes = parse_with_rounds(parser, argv, default_rounds=60)
     print(
         f"ResNet50's {len(shapes)} variables ({sum(int(np.prod(s)) for s in shapes):,} parameters), "
         f"{args.rounds} interleaved rounds, threads {args.threads or 'default'}; "

@@ -31,8 +31,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras
 import numpy as np
 import tensorflow as tf
-from _timing import add_threads_option, apply_threads
-from update_only import OPTIMIZERS, resnet50_shapes
+from update_only import OPTIMIZERS, parse_with_rounds
 
 STEPS = 6
 
@@ -56,13 +55,7 @@ def _bits(tensors) -> list[np.ndarray]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
-    parser.add_argument("--rounds", type=int, default=30, help="interleaved timed rounds")
-    add_threads_option(parser)
-    args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error(f"--rounds must be at least 1; got {args.rounds}")
-    apply_threads(args.threads)
-    shapes = resnet50_shapes()
+    args, shapes = parse_with_rounds(parser, argv, default_rounds=30)
     rng = np.random.default_rng(0)
     values = [rng.normal(size=shape).astype("float32") * 0.01 for shape in shapes]
     gradients = [[tf.constant(rng.normal(size=s).astype("float32") * 0.01) for s in shapes] for _ in range(3)]
