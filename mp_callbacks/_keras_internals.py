@@ -285,6 +285,22 @@ def compiling_with_xla() -> bool:
     return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
 
 
+def replace_op_input(op: Any, index: int, tensor: Any) -> None:
+    """Makes input `index` of the graph op `op` (not yet run) be `tensor`
+    (TensorFlow's `Operation._update_input`)."""
+    op._update_input(index, tensor)
+
+
+def learning_rate_is_scheduled(optimizer: Any) -> bool:
+    """Whether `optimizer`'s learning rate is computed each step (a
+    `LearningRateSchedule` or a callable) rather than held in a variable
+    (`Optimizer._learning_rate`)."""
+    rate = optimizer._learning_rate
+    return isinstance(rate, keras.optimizers.schedules.LearningRateSchedule) or (
+        callable(rate) and not isinstance(rate, keras.Variable)
+    )
+
+
 def tf_optimizer_class() -> type:
     """keras.src.backend.tensorflow.optimizer.TFOptimizer: the class whose
     writes (`assign`, `assign_add`, `assign_sub`) and weight decay Keras's
@@ -551,6 +567,28 @@ def _xla_context_seen() -> bool:
     return seen == [True, False] and not compiling_with_xla()
 
 
+def _op_input_replaced() -> bool:
+    from mp_callbacks._backend import tf
+
+    seen = []
+
+    def trace() -> Any:
+        one, two = tf.constant(1.0), tf.constant(2.0)
+        total = tf.add(one, one)
+        replace_op_input(total.op, 1, two)
+        seen.append([t is two for t in total.op.inputs])
+        return total
+
+    result = tf.function(trace)()
+    return seen == [[False, True]] and float(result) == 3.0
+
+
+def _learning_rate_kinds() -> bool:
+    fixed = keras.optimizers.SGD(0.1)
+    scheduled = keras.optimizers.SGD(keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5))
+    return not learning_rate_is_scheduled(fixed) and learning_rate_is_scheduled(scheduled)
+
+
 def _object_registration() -> bool:
     from keras.src.saving import object_registration
 
@@ -685,6 +723,16 @@ INTERNALS = (
         "tensorflow.python.ops.control_flow_util.GraphOrParentsInXlaContext",
         "backends/tensorflow/skip.py (under XLA the update is skipped by a cond)",
         _xla_context_seen,
+    ),
+    Internal(
+        "tensorflow Operation._update_input (rerouting an input of a traced op)",
+        "backends/tensorflow/compiled_update.py (products kept out of XLA's multiply-add contraction)",
+        _op_input_replaced,
+    ),
+    Internal(
+        "Optimizer._learning_rate (a variable, or a schedule or callable evaluated each step)",
+        "backends/tensorflow/compiled_update.py (a scheduled rate is not compiled)",
+        _learning_rate_kinds,
     ),
     Internal(
         "keras.src.backend.tensorflow.optimizer.TFOptimizer (_apply_weight_decay, assign*)",

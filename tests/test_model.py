@@ -542,21 +542,67 @@ def _writes_in_branches(graph) -> int:
     )
 
 
+def _compiled_calls(graph) -> list:
+    """The step's calls of an XLA-compiled function (the compiled update)."""
+    calls = []
+    for op in graph.get_operations():
+        if op.type in ("PartitionedCall", "StatefulPartitionedCall"):
+            try:
+                if op.get_attr("_XlaMustCompile"):
+                    calls.append(op)
+            except ValueError:
+                pass
+    return calls
+
+
 def test_a_healthy_step_updates_outside_any_cond():
-    """The optimizer's writes are gated one by one (a scalar Select each),
-    not wrapped in a tf.cond, which would cost every step several percent on
-    few CPU threads. Only the skip path's restores live in a branch."""
+    """An update that is not compiled by XLA (RMSprop's: see
+    test_compiled_update.py) has its writes gated one by one (a scalar
+    Select each), not wrapped in a tf.cond, which would cost every step
+    several percent on few CPU threads. Only the skip path's restores live
+    in a branch."""
+    keras.mixed_precision.set_global_policy("float32")
+    inputs = keras.Input((4,))
+    model = mp.MixedPrecisionModel(inputs, keras.layers.Dense(2)(keras.layers.Dense(3)(inputs)))
+    model.compile(keras.optimizers.RMSprop(0.1), "sparse_categorical_crossentropy")
+    graph = _step_graph(model)
+    assert _compiled_calls(graph) == []
+    op_types = [op.type for op in graph.get_operations()]
+    # Per variable: its gradient (the arithmetic waits for the decision),
+    # its own write and its velocity's; and the iteration counter.
+    assert op_types.count("Select") == 3 * len(model.trainable_variables) + 1
+    # The kept batch (x, y, its step number) is restored on skip, nothing else.
+    assert _writes_in_branches(graph) == 3
+
+
+def test_a_verified_optimizers_update_and_skip_are_one_compiled_call():
+    """SGD with momentum is compiled by XLA: the update and its cond are one
+    call, nothing is gated write by write, and outside that call only the
+    kept batch's restore sits in a branch."""
     keras.mixed_precision.set_global_policy("float32")
     inputs = keras.Input((4,))
     model = mp.MixedPrecisionModel(inputs, keras.layers.Dense(2)(keras.layers.Dense(3)(inputs)))
     model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "sparse_categorical_crossentropy")
     graph = _step_graph(model)
-    op_types = [op.type for op in graph.get_operations()]
-    # Per variable: its gradient (the arithmetic waits for the decision),
-    # its own write and its momentum's; and the iteration counter.
-    assert op_types.count("Select") == 3 * len(model.trainable_variables) + 1
-    # The kept batch (x, y, its step number) is restored on skip, nothing else.
-    assert _writes_in_branches(graph) == 3
+    calls = _compiled_calls(graph)
+    assert len(calls) == 1
+    assert [op.type for op in graph.get_operations()].count("Select") == 0
+    library = {function.signature.name: function for function in graph.as_graph_def().library.function}
+    compiled = library[calls[0].get_attr("f").name]
+    branches = {
+        node.attr[branch].func.name
+        for node in compiled.node_def
+        if node.op in ("If", "StatelessIf")
+        for branch in ("then_branch", "else_branch")
+    }
+    writes = sum(
+        node.op.startswith(("Assign", "ResourceApply"))
+        for name in branches
+        for node in library[name].node_def
+    )
+    # Each variable and its momentum, and the iteration counter.
+    assert writes == 2 * len(model.trainable_variables) + 1
+    assert _writes_in_branches(graph) == 3 + writes
 
 
 def test_an_update_that_cannot_be_gated_is_skipped_by_a_cond_exactly():

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from mp_callbacks.backends.tensorflow.compiled_update import VERIFIED_OPTIMIZERS, VERIFIED_SPARSE_OPTIMIZERS
 from mp_callbacks.backends.tensorflow.skip import apply_or_skip, restore_if_skipped
 
 OPTIMIZERS = {
-    "SGD-momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    "SGD": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
     "Adam": keras.optimizers.Adam,
     "AdamW": keras.optimizers.AdamW,
     "RMSprop": lambda: keras.optimizers.RMSprop(centered=True),
@@ -69,12 +70,18 @@ def _step(make_optimizer, sparse: bool, mechanism: str | None, applied: bool, ji
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 @pytest.mark.parametrize("applied", [True, False], ids=["applied", "skipped"])
-def test_the_gated_form_is_the_cond_bit_for_bit(name, sparse, applied):
+@pytest.mark.parametrize("mechanism", ["gated", "compiled"])
+def test_each_form_is_the_cond_bit_for_bit(name, sparse, applied, mechanism):
     reference, used, _ = _step(OPTIMIZERS[name], sparse, "cond", applied)
     assert used == "cond"
-    gated, used, _ = _step(OPTIMIZERS[name], sparse, "gated", applied)
-    assert used in ("gated", "cond")  # an update that cannot be gated keeps the cond
-    assert gated == reference
+    other, used, _ = _step(OPTIMIZERS[name], sparse, mechanism, applied)
+    # An update that cannot be compiled is gated; one that cannot be gated keeps the cond.
+    expected = {"compiled": ("compiled", "gated", "cond"), "gated": ("gated", "cond")}[mechanism]
+    assert used in expected
+    if mechanism == "compiled":
+        compiled = name in VERIFIED_OPTIMIZERS and (not sparse or name in VERIFIED_SPARSE_OPTIMIZERS)
+        assert (used == "compiled") == compiled
+    assert other == reference
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -91,9 +98,12 @@ def test_under_xla_the_update_is_skipped_by_the_cond_and_a_skip_changes_nothing(
     applied, _, before = _step(OPTIMIZERS[name], sparse, None, applied=True, jit_compile=True)
     assert applied[0] != before[0]  # the first layer's weights moved
     assert np.frombuffer(applied[-1], "float32").tolist() == [2.0, 3.0]
-    if not sparse:  # without XLA a dense update is gated
-        _, used, _ = _step(OPTIMIZERS[name], sparse, None, applied=True)
-        assert used == "gated"
+    # Without XLA a verified update is compiled (exactly), any other gated.
+    _, used, _ = _step(OPTIMIZERS[name], sparse, None, applied=True)
+    if name in VERIFIED_OPTIMIZERS and (not sparse or name in VERIFIED_SPARSE_OPTIMIZERS):
+        assert used == "compiled"
+    else:
+        assert used == "gated" if not sparse else used in ("gated", "cond")
 
 
 @pytest.mark.parametrize("applied", [True, False], ids=["applied", "skipped"])

@@ -45,7 +45,7 @@ from mp_callbacks._keras_internals import (
     weight_decay_replacement,
 )
 
-__all__ = ["gated_apply", "gradients_after"]
+__all__ = ["gated_apply", "gradients_after", "writes_are_kerass_own"]
 
 # Zeros up to this size are constants Grappler folds; larger ones would be
 # filled anew every step (Grappler does not fold them), so they are views of
@@ -277,7 +277,7 @@ def _writes_only_through(graph: Any, ours: set[str], counter_handle: str) -> boo
     return True
 
 
-def _writes_are_kerass_own(optimizer: Any) -> bool:
+def writes_are_kerass_own(optimizer: Any) -> bool:
     """An optimizer that overrides `assign`, `assign_add` or `assign_sub`,
     in its class or on the instance (a test's mock), may write something
     else than the value it is given (a gated zero included): only Keras's
@@ -344,7 +344,7 @@ def gated_apply(
     """
     if tf.executing_eagerly() or not isinstance(optimizer, keras.optimizers.Optimizer):
         return False  # eagerly, a tf.cond costs nothing: it is a Python if
-    if not _writes_are_kerass_own(optimizer):
+    if not writes_are_kerass_own(optimizer):
         return False
     if getattr(optimizer, "gradient_accumulation_steps", None):
         # Accumulating updates branch on the step count (a cond of Keras's

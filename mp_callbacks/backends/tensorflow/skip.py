@@ -3,15 +3,23 @@
 Contract of `apply_or_skip`: when `decision` is True the optimizer applies
 the gradients, exactly as `optimizer.apply_gradients` would; when it is
 False nothing the optimizer owns changes (weights, slots, iteration count)
-and each `restore_on_skip` pair is assigned back. Three mechanisms keep it:
+and each `restore_on_skip` pair is assigned back. Four mechanisms keep it:
 
+* ``"compiled"``: the update and its cond compiled by XLA as one call
+  (`mp_callbacks.backends.tensorflow.compiled_update`), for the optimizers
+  whose compiled update equals TensorFlow's bit for bit. It reads and
+  writes each variable and slot about once, under half of TensorFlow's
+  op-by-op traffic for Adam, which pays for the wait for the decision
+  (docs/design.md, "The update compiled by XLA"). Graph mode without a
+  strategy or XLA.
 * ``"cond"``, the reference: the update inside `tf.cond(decision, ...)`,
   as Keras's own `LossScaleOptimizer` does it. Used eagerly (where a cond is
   a Python `if`), under XLA (`jit_compile=True`, Keras's default on a GPU),
   for an update that cannot be gated, and under a strategy that needs no
   `merge_call`.
-* ``"gated"``: no cond; the update runs and each write it makes is gated
-  on the decision (`mp_callbacks.backends.tensorflow.gated_update`), so healthy steps do not
+* ``"gated"``: for any other update, no cond; the update runs and each
+  write it makes is gated on the decision
+  (`mp_callbacks.backends.tensorflow.gated_update`), so healthy steps do not
   wait behind the cond (`benchmarks/skip_mechanics.py` measures the cond's
   cost). Graph mode without a strategy or XLA. Tested bit for bit against
   "cond". XLA compiles a cond's branch into the step and fuses the update
@@ -29,11 +37,12 @@ from typing import Any
 
 from mp_callbacks._backend import tf
 from mp_callbacks._keras_internals import compiling_with_xla, strategy_supports_no_merge_call
+from mp_callbacks.backends.tensorflow.compiled_update import compiled_apply
 from mp_callbacks.backends.tensorflow.gated_update import gated_apply, gradients_after
 
 __all__ = ["MECHANISMS", "apply_or_skip", "restore_if_skipped"]
 
-MECHANISMS = ("gated", "cond", "cross_replica")
+MECHANISMS = ("compiled", "gated", "cond", "cross_replica")
 
 
 def _apply(optimizer: Any, grads: list[Any], variables: list[Any]) -> None:
@@ -72,8 +81,10 @@ def apply_or_skip(
             gated sparse write go ahead without waiting for `decision`.
         mechanism: force one of `MECHANISMS` (tests compare them); default
             None chooses: "cross_replica" under a `merge_call` strategy,
-            "cond" under XLA, else "gated" when the update can be gated,
-            else "cond".
+            "cond" under XLA, else "compiled" when the update is one XLA
+            reproduces exactly, else "gated" when it can be gated, else
+            "cond". A forced form that does not apply falls back in that
+            order.
     """
     restore_on_skip = list(restore_on_skip)
     restore_variables = [variable for variable, _ in restore_on_skip]
@@ -82,7 +93,14 @@ def apply_or_skip(
         if _needs_merge_call():
             mechanism = "cross_replica"
         else:
-            mechanism = "cond" if compiling_with_xla() else "gated"
+            mechanism = "cond" if compiling_with_xla() else "compiled"
+    if mechanism == "compiled":
+        if not tf.distribute.has_strategy() and compiled_apply(optimizer, grads, variables, decision):
+            if restore_on_skip:
+                # Off the update's path: nothing waits for this cond.
+                tf.cond(decision, lambda: None, lambda: _assign(restore_variables, restore_values))
+            return "compiled"
+        mechanism = "gated"
     if mechanism == "gated":
         if not tf.distribute.has_strategy() and gated_apply(
             optimizer,
