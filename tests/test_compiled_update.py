@@ -155,7 +155,7 @@ def test_every_compiled_update_is_stocks_bit_for_bit_and_a_skip_changes_nothing(
     assert skipped == before, f"{name}: a skipped compiled step changed state"
 
 
-def test_a_subclass_an_instance_override_or_a_constraint_is_not_compiled():
+def test_a_subclass_an_override_a_constraint_float16_or_a_gpu_is_not_compiled():
     values, gradients = _variables_and_gradients(False, 1)
     variables = [keras.Variable(v) for v in values]
 
@@ -171,6 +171,11 @@ def test_a_subclass_an_instance_override_or_a_constraint_is_not_compiled():
     assert layer.kernel.constraint is not None
     constrained = [layer.kernel, *variables[1:]]
     assert not compilable(keras.optimizers.Adam(), gradients[0], constrained)
+
+    class VariableOnAGPU:  # as a tf.Variable placed on a GPU reports itself
+        dtype, constraint, device = "float32", None, "/job:localhost/replica:0/task:0/device:GPU:0"
+
+    assert not compilable(keras.optimizers.Adam(), gradients[0], [VariableOnAGPU(), *variables[1:]])
     half = [keras.Variable(v, dtype="float16") for v in values]
     assert not compilable(keras.optimizers.Adam(), [tf.cast(g, "float16") for g in gradients[0]], half)
     assert compilable(keras.optimizers.Adam(), gradients[0], variables)

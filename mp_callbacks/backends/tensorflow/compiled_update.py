@@ -72,10 +72,11 @@ def compilable(optimizer: Any, grads: Sequence[Any], variables: Sequence[Any]) -
     """Whether `compiled_apply` reproduces `optimizer`'s update exactly:
     a verified built-in class (not a subclass), Keras's own writes, no
     clipping by norm, EMA, gradient accumulation, learning-rate schedule or
-    `loss_scale_factor`,
-    float32 variables without constraints, and gradients of their dtype
-    and fully known shape, dense unless the class is also in
-    `VERIFIED_SPARSE_OPTIMIZERS`."""
+    `loss_scale_factor`, float32 variables on the CPU without constraints,
+    and gradients of their dtype and fully known shape, dense unless the
+    class is also in `VERIFIED_SPARSE_OPTIMIZERS`. On a GPU (where Keras
+    compiles the whole step with XLA by default) the values were not
+    compared, and a plugin device may have no XLA at all: not compiled."""
     if type(optimizer) not in _verified_classes() or "apply_gradients" in vars(optimizer):
         return False
     if not writes_are_kerass_own(optimizer):
@@ -99,7 +100,17 @@ def compilable(optimizer: Any, grads: Sequence[Any], variables: Sequence[Any]) -
             return False
         if getattr(variable, "constraint", None) is not None:
             return False
+        if _device_type(variable) != "CPU":
+            return False
     return bool(grads)
+
+
+def _device(variable: Any) -> str:
+    return (variable.value if isinstance(variable, keras.Variable) else variable).device
+
+
+def _device_type(variable: Any) -> str:
+    return tf.DeviceSpec.from_string(_device(variable)).device_type or ""
 
 
 def _hold_off_contraction(graph: Any, first_op: int, zero: tf.Tensor) -> int:
@@ -163,5 +174,6 @@ def compiled_apply(optimizer: Any, grads: list[Any], variables: list[Any], decis
     key = tuple(id(variable) for variable in variables)
     if key not in functions:
         functions[key] = compiled_update_function(optimizer, variables)
-    functions[key](decision, list(grads))
+    with tf.device(_device(variables[0])):  # where the variables are
+        functions[key](decision, list(grads))
     return True
