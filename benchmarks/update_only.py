@@ -11,7 +11,8 @@ same gradients every call:
 - `keras LossScaleOptimizer`: Keras's `LossScaleOptimizer.apply`
   (unscale, finiteness check, the update in a `tf.cond`);
 - `ours`: `mp_callbacks.LossScaleOptimizer.apply` (unscale, the fused
-  norm, the gated update).
+  norm, then the update: compiled by XLA for these three optimizers,
+  docs/design.md "The update compiled by XLA"; gated for others).
 
 Each contender has its own copy of the variables and its own optimizer;
 each call is one `tf.function`, timed as interleaved single calls (the
