@@ -216,3 +216,21 @@ def test_a_power_of_the_step_count_is_tensorflows_for_100000_steps(base):
     compiled = tf.function(powers, jit_compile=True)().numpy()
     plain = tf.function(powers)().numpy()
     assert compiled.view(np.uint32).tolist() == plain.view(np.uint32).tolist()
+
+
+def test_a_sparse_gradient_of_unknown_rows_is_not_compiled():
+    # XLA compiles once per shape: a step traced for any number of rows
+    # (sequences of any length) would compile at every new one.
+    _, gradients = _variables_and_gradients(True, 1)
+    variables = [keras.Variable(np.zeros(shape, "float32")) for shape in [(64, 256), (256,), (300, 16)]]
+    optimizer, seen = keras.optimizers.Adam(), []
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 16]), tf.TensorSpec([None], tf.int64)])
+    def trace(rows, indices):
+        sparse = tf.IndexedSlices(rows, indices, tf.constant([300, 16], tf.int64))
+        seen.append(compilable(optimizer, [*gradients[0][:2], sparse], variables))
+        return rows
+
+    trace.get_concrete_function()
+    assert seen == [False]
+    assert compilable(optimizer, gradients[0], variables)

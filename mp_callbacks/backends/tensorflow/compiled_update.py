@@ -73,8 +73,8 @@ def compilable(optimizer: Any, grads: Sequence[Any], variables: Sequence[Any]) -
     a verified built-in class (not a subclass), Keras's own writes, no
     clipping by norm, EMA, gradient accumulation, learning-rate schedule or
     `loss_scale_factor`, float32 variables on the CPU without constraints,
-    and gradients of their dtype and fully known shape, dense unless the
-    class is also in `VERIFIED_SPARSE_OPTIMIZERS`. On a GPU (where Keras
+    and gradients of their dtype and fully known shape (while tracing),
+    dense unless the class is also in `VERIFIED_SPARSE_OPTIMIZERS`. On a GPU (where Keras
     compiles the whole step with XLA by default) the values were not
     compared, and a plugin device may have no XLA at all: not compiled."""
     if type(optimizer) not in _verified_classes() or "apply_gradients" in vars(optimizer):
@@ -92,7 +92,9 @@ def compilable(optimizer: Any, grads: Sequence[Any], variables: Sequence[Any]) -
     sparse_verified = type(optimizer).__name__ in VERIFIED_SPARSE_OPTIMIZERS
     for grad, variable in zip(grads, variables):
         if isinstance(grad, tf.IndexedSlices):
-            if not sparse_verified:
+            # Rows known while tracing: XLA compiles once per shape, and a
+            # step traced for any number of rows would compile at each.
+            if not sparse_verified or not grad.values.shape.is_fully_defined():
                 return False
         elif not isinstance(grad, tf.Tensor) or not grad.shape.is_fully_defined():
             return False
