@@ -473,7 +473,7 @@ def test_every_write_takes_the_decision_or_the_loss_as_data(sparse, forward_done
     def classify(ops, predicate, loss):
         waits = _data_ancestry(ops)
         # The counter's handle as captured in this graph.
-        counter = _gated_update._tf_variable(optimizer.iterations).value().op.inputs[0].name
+        counter = _gated_update.tf_variable(optimizer.iterations).value().op.inputs[0].name
         writes = [op for op in ops if op.type.startswith(("Assign", "ResourceScatter"))]
         found["counter"] = [waits(op, predicate) for op in writes if op.inputs[0].name == counter]
         found["others"] = [

@@ -20,10 +20,10 @@ twice. Each product that leaves for anything but another product is
 therefore passed through an exclusive or with a zero the compiler cannot
 see (its bits, reinterpreted as integers: the value is unchanged), which
 contraction cannot cross. What else could differ (a reduction's order, a
-divide by a square root rewritten, a learning-rate schedule's power) is
-kept out by `compilable`: only the built-in optimizers whose values
-`tests/test_compiled_update.py` checks against TensorFlow's, bit for bit,
-with float32 variables, dense gradients and a constant learning rate.
+divide by a square root rewritten) or was not checked (a learning-rate
+schedule) is kept out by `compilable`: only the built-in optimizers whose
+values `tests/test_compiled_update.py` checks against TensorFlow's, bit for
+bit, with float32 variables on the CPU and a learning rate in a variable.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 
 from mp_callbacks._backend import keras, tf
 from mp_callbacks._keras_internals import learning_rate_is_scheduled, replace_op_input
-from mp_callbacks.backends.tensorflow.gated_update import writes_are_kerass_own
+from mp_callbacks.backends.tensorflow.gated_update import tf_variable, writes_are_kerass_own
 
 __all__ = [
     "VERIFIED_OPTIMIZERS",
@@ -74,9 +74,10 @@ def compilable(optimizer: Any, grads: Sequence[Any], variables: Sequence[Any]) -
     clipping by norm, EMA, gradient accumulation, learning-rate schedule or
     `loss_scale_factor`, float32 variables on the CPU without constraints,
     and gradients of their dtype and fully known shape (while tracing),
-    dense unless the class is also in `VERIFIED_SPARSE_OPTIMIZERS`. On a GPU (where Keras
-    compiles the whole step with XLA by default) the values were not
-    compared, and a plugin device may have no XLA at all: not compiled."""
+    dense unless the class is also in `VERIFIED_SPARSE_OPTIMIZERS`. On a
+    GPU (where Keras compiles the whole step with XLA by default) the
+    values were not compared, and a plugin device may have no XLA at all:
+    not compiled."""
     if type(optimizer) not in _verified_classes() or "apply_gradients" in vars(optimizer):
         return False
     if not writes_are_kerass_own(optimizer):
@@ -107,19 +108,13 @@ def compilable(optimizer: Any, grads: Sequence[Any], variables: Sequence[Any]) -
     return bool(grads)
 
 
-def _device(variable: Any) -> str:
-    return (variable.value if isinstance(variable, keras.Variable) else variable).device
-
-
 def _device_type(variable: Any) -> str:
-    return tf.DeviceSpec.from_string(_device(variable)).device_type or ""
+    return tf.DeviceSpec.from_string(tf_variable(variable).device).device_type or ""
 
 
-def _hold_off_contraction(graph: Any, first_op: int, zero: tf.Tensor) -> int:
+def _hold_off_contraction(graph: Any, first_op: int, zero: tf.Tensor) -> None:
     """Passes every product made since op `first_op` of `graph` through an
-    exclusive or with `zero` before anything but another product uses it;
-    returns how many inputs were rerouted."""
-    rerouted = 0
+    exclusive or with `zero` before anything but another product uses it."""
     for op in graph.get_operations()[first_op:]:
         if op.type not in _PRODUCT_OPS or op.outputs[0].dtype not in _SAME_WIDTH_INTEGER:
             continue
@@ -135,8 +130,6 @@ def _hold_off_contraction(graph: Any, first_op: int, zero: tf.Tensor) -> int:
             for index, tensor in enumerate(user.inputs):
                 if tensor is product:
                     replace_op_input(user, index, shielded)
-                    rerouted += 1
-    return rerouted
 
 
 def compiled_update_function(optimizer: Any, variables: Sequence[Any]) -> Any:
@@ -176,6 +169,6 @@ def compiled_apply(optimizer: Any, grads: list[Any], variables: list[Any], decis
     key = tuple(id(variable) for variable in variables)
     if key not in functions:
         functions[key] = compiled_update_function(optimizer, variables)
-    with tf.device(_device(variables[0])):  # where the variables are
+    with tf.device(tf_variable(variables[0]).device):  # where the variables are
         functions[key](decision, list(grads))
     return True

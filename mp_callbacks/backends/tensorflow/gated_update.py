@@ -45,7 +45,7 @@ from mp_callbacks._keras_internals import (
     weight_decay_replacement,
 )
 
-__all__ = ["gated_apply", "gradients_after", "writes_are_kerass_own"]
+__all__ = ["gated_apply", "gradients_after", "tf_variable", "writes_are_kerass_own"]
 
 # Zeros up to this size are constants Grappler folds; larger ones would be
 # filled anew every step (Grappler does not fold them), so they are views of
@@ -71,7 +71,7 @@ _READ_ONLY_STATEFUL_OPS = frozenset(
 )
 
 
-def _tf_variable(variable: Any) -> Any:
+def tf_variable(variable: Any) -> Any:
     return variable.value if isinstance(variable, keras.Variable) else variable
 
 
@@ -79,14 +79,14 @@ def _zero_buffer(optimizer: Any, variable: Any, negative: bool) -> tf.Tensor | N
     """The optimizer's flat zero buffer for `variable`'s device and dtype
     (an eager tensor the step captures), or None if the variable is larger
     than every variable the optimizer was built with."""
-    target = _tf_variable(variable)
+    target = tf_variable(variable)
     key = (target.device, target.dtype, negative)
     buffers = _ZERO_BUFFERS.setdefault(optimizer, {})
     if key not in buffers:
         sizes = [
-            _tf_variable(v).shape.num_elements() or 0
+            tf_variable(v).shape.num_elements() or 0
             for v in optimizer_built_variables(optimizer) + list(optimizer.variables)
-            if _tf_variable(v).dtype == target.dtype
+            if tf_variable(v).dtype == target.dtype
         ]
         size = max([*sizes, target.shape.num_elements() or 0])
         # Made eagerly, outside the step being traced, on the variable's own
@@ -131,7 +131,7 @@ class _GatedWrites:
         return tf.raw_ops.Select(condition=self.predicate, x=new, y=old)
 
     def _write(self, variable: Any, combine: Callable[[tf.Tensor], tf.Tensor]) -> None:
-        target = _tf_variable(variable)
+        target = tf_variable(variable)
         old = target.value()
         target.assign(self._pick(combine(old), old), read_value=False)
 
@@ -139,7 +139,7 @@ class _GatedWrites:
         """A zero of `variable`'s shape: a folded constant when small (shared
         by every write of that shape), else a view of the optimizer's zero
         buffer; None if there is none large enough."""
-        target = _tf_variable(variable)
+        target = tf_variable(variable)
         shape, dtype = target.shape, target.dtype
         elements = shape.num_elements()
         if elements is None:
@@ -168,7 +168,7 @@ class _GatedWrites:
             else:
                 self._write(variable, lambda old: old + tf.cast(value, old.dtype))
             return
-        gated = self._pick(tf.cast(value, _tf_variable(variable).dtype), neutral)
+        gated = self._pick(tf.cast(value, tf_variable(variable).dtype), neutral)
         write = self.cls.assign_sub if subtract else self.cls.assign_add
         write(self.optimizer, variable, gated)
 
@@ -185,7 +185,7 @@ class _GatedWrites:
         # filling them does not hold up the write.
         values = value.values
         neutral = tf.fill(
-            tf.concat([tf.shape(value.indices), tf.shape(_tf_variable(variable))[1:]], axis=0),
+            tf.concat([tf.shape(value.indices), tf.shape(tf_variable(variable))[1:]], axis=0),
             tf.constant(0.0 if subtract else -0.0, values.dtype),
         )
         if self.forward_done is None:
@@ -195,7 +195,7 @@ class _GatedWrites:
             # so its update would be the step's tail (step_overhead.py, the
             # Transformer). The gate orders it after the forward pass's reads.
             gate = self.forward_done
-            target = _tf_variable(variable)
+            target = tf_variable(variable)
             self.rows_to_put_back.append((target, value.indices, target.sparse_read(value.indices)))
         # A scalar v1 `Select` forwards one input whole; `tf.where` would copy.
         gated = tf.IndexedSlices(
@@ -227,7 +227,7 @@ class _GatedWrites:
         with self.record():
             for variable in variables:
                 if uses_weight_decay(optimizer, variable):
-                    target = _tf_variable(variable)
+                    target = tf_variable(variable)
                     lr = tf.cast(optimizer.learning_rate, target.dtype)
                     wd = tf.cast(optimizer.weight_decay, target.dtype)
                     self._gated_increment(variable, target.value() * wd * lr, subtract=True)
@@ -303,7 +303,7 @@ def gradients_after(
     gated anyway; the zero only keeps inf and NaN out of the arithmetic."""
     out = []
     for grad, variable in zip(grads, variables):
-        target = _tf_variable(variable)
+        target = tf_variable(variable)
         if not isinstance(grad, tf.Tensor) or grad.dtype != target.dtype or not grad.shape.is_fully_defined():
             out.append(grad)
             continue
@@ -363,7 +363,7 @@ def gated_apply(
             yield
             ours.update(op.name for op in graph.get_operations()[start:])
 
-        iterations = _tf_variable(optimizer.iterations)
+        iterations = tf_variable(optimizer.iterations)
         with record():
             iterations_before = tf.identity(iterations.value())
         counter_handle.setdefault("name", iterations_before.op.inputs[0].op.inputs[0].name)

@@ -98,7 +98,7 @@ def apply_or_skip(
         if not tf.distribute.has_strategy() and compiled_apply(optimizer, grads, variables, decision):
             if restore_on_skip:
                 # Off the update's path: nothing waits for this cond.
-                tf.cond(decision, lambda: None, lambda: _assign(restore_variables, restore_values))
+                restore_if_skipped(decision, restore_on_skip)
             return "compiled"
         mechanism = "gated"
     if mechanism == "gated":
