@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import threading
 import time
 from typing import Any
 
@@ -90,6 +91,12 @@ class EpochTimer(MixedPrecisionCallback):
         self._val_seconds: float | None = None
         self._epoch_steps = 0
         self._total_seconds = 0.0
+        # Batch-end hooks may still be queued when validation begins (Keras
+        # runs them on a thread pool on JAX and torch, and waits for them
+        # only at the epoch's end): the training part waits for them.
+        self._batch_hooks_done = threading.Condition(self._batch_lock)
+        self._batches_begun = 0
+        self._batches_ended = 0
 
     def get_config(self) -> dict[str, Any]:
         return {"time_validation": self.time_validation, "batch_size": self.batch_size}
@@ -102,19 +109,32 @@ class EpochTimer(MixedPrecisionCallback):
     def on_epoch_begin(self, epoch, logs=None):
         self._phase = _TRAINING
         self._val_seconds = None
-        self._epoch_steps = 0
-        self._last_batch_end: float | None = None
+        with self._batch_hooks_done:
+            self._epoch_steps = 0
+            self._batches_begun = 0
+            self._batches_ended = 0
+            self._last_batch_end: float | None = None
         self._epoch_begin = self._clock()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        # Keras calls begin hooks in step order, on the training thread.
+        with self._batch_hooks_done:
+            self._batches_begun += 1
 
     def on_train_batch_end(self, batch, logs=None):
         self._note_batch(batch)
         # Training ends at the last batch, not at this callback's epoch end:
         # callbacks before it (NaNGradientMonitor's replay) are not training.
-        now = self._clock()  # hooks may run out of order (JAX): keep the latest
-        self._last_batch_end = now if self._last_batch_end is None else max(self._last_batch_end, now)
+        now = self._clock()
+        with self._batch_hooks_done:
+            # Hooks may run out of order (JAX, torch): keep the latest.
+            self._last_batch_end = now if self._last_batch_end is None else max(self._last_batch_end, now)
+            self._batches_ended += 1
+            self._batch_hooks_done.notify_all()
 
     def on_test_begin(self, logs=None):
         if self._phase == _TRAINING:  # fit's validation (not evaluate() outside fit)
+            self._wait_for_batch_hooks()
             self._end_training_part()
             self._phase = _VALIDATING
             self._val_begin = self._clock()
@@ -184,6 +204,13 @@ class EpochTimer(MixedPrecisionCallback):
         }
 
     # ------------------------------------------------------------ helpers
+    def _wait_for_batch_hooks(self, timeout: float = 60.0) -> None:
+        """Waits until every batch that began this epoch has had its end
+        hook counted (queued hooks run on Keras's own threads, never this
+        one); after `timeout` seconds it counts what it has."""
+        with self._batch_hooks_done:
+            self._batch_hooks_done.wait_for(lambda: self._batches_ended >= self._batches_begun, timeout)
+
     def _end_training_part(self) -> None:
         end = self._last_batch_end if self._last_batch_end is not None else self._clock()
         self._train_seconds = end - self._epoch_begin

@@ -3,6 +3,7 @@ the step logs during an epoch and the model only between epochs."""
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import keras
@@ -94,3 +95,31 @@ def test_epoch_timer_counts_the_samples_the_steps_saw():
     assert [record["steps"] for record in timer.records] == [4, 4]
     assert len(history["samples_per_sec"]) == 2 and all(rate > 0 for rate in history["samples_per_sec"])
     assert all(record["val_time"] is not None for record in timer.records)
+
+
+class _SlowBatchEnd(keras.callbacks.Callback):
+    """An async-safe callback whose batch-end hook is slow: Keras runs the
+    hooks of a batch in turn on its thread pool, so the timer's hooks after
+    it are still queued when validation begins."""
+
+    def __init__(self):
+        super().__init__()
+        self.async_safe = True
+
+    def on_train_batch_end(self, batch, logs=None):
+        time.sleep(0.3)
+
+
+def test_epoch_timer_counts_every_step_when_validation_begins_before_the_batch_hooks_ran():
+    model = _model()
+    model.compile("sgd", "mse")
+    x, y = _data(40)
+    timer = mp.EpochTimer(time_validation=True)
+    model.fit(
+        x, y, batch_size=8, epochs=2, validation_split=0.2, callbacks=[_SlowBatchEnd(), timer], verbose=0
+    )
+    assert [record["samples"] for record in timer.records] == [32.0, 32.0]
+    assert [record["steps"] for record in timer.records] == [4, 4]
+    # The training part ends after the timer's hooks ran, each behind a slow
+    # one (the warm epoch's four steps alone take milliseconds).
+    assert timer.records[1]["epoch_time"] >= 0.3
