@@ -39,8 +39,15 @@ class MixedPrecisionCallback(keras.callbacks.Callback):
     def _note_batch(self, batch: int) -> int:
         """Counts batch `batch` (0-based) of the epoch, in whatever order
         the hooks run; returns the steps seen so far."""
+        steps = batch + 1
+        # With steps_per_execution, Keras ends an epoch's last, shorter
+        # execution at the index a full one would reach (8 batches in runs
+        # of 3 end at index 8): never count past the epoch's known length.
+        known = (self.params or {}).get("steps")
+        if isinstance(known, int) and known > 0:
+            steps = min(steps, known)
         with self._batch_lock:
-            self._epoch_steps = max(self._epoch_steps, batch + 1)
+            self._epoch_steps = max(self._epoch_steps, steps)
             return self._epoch_steps
 
     def get_config(self) -> dict[str, Any]:

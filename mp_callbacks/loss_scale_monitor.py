@@ -316,4 +316,10 @@ class LossScaleMonitor(MixedPrecisionCallback):
             return (
                 f"Try: a lower fixed loss scale than {scaler.initial_scale:g}, or a dynamic one; {_ADVICE}."
             )
+        if self._source.kind == "keras":
+            return (
+                "Keras's LossScaleOptimizer halves its scale at every skip; for a floor, "
+                "hysteresis and a scale that ignores bad data, train with "
+                f"mp.MixedPrecisionModel or mp.LossScaleOptimizer. Try: {_ADVICE}."
+            )
         return f"No loss scale is in use, so the gradients overflow by themselves. Try: {_ADVICE}."

@@ -4,6 +4,7 @@ LossScaleOptimizer, and models without loss scaling."""
 from __future__ import annotations
 
 import logging
+import warnings
 
 import keras
 import numpy as np
@@ -344,3 +345,42 @@ def test_calibrating_down_from_initial_scale_is_not_warned_about_but_recorded(ca
             x_bad, y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=[mp.LossScaleMonitor()]
         )
     assert model.scaler.diagnostics()["calibration_steps"] == 0
+
+
+def test_keras_own_optimizer_skips_are_advised_as_keras_scale_not_as_no_scale():
+    x, _ = classification_data(n=32)
+    targets = np.full((32, 3), 100.0, "float32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    optimizer = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(1e-4), initial_scale=2.0**127)
+    model.compile(optimizer, "mse")
+    with pytest.warns(mp.MixedPrecisionWarning) as caught:
+        model.fit(x, targets, epochs=1, batch_size=4, callbacks=[mp.LossScaleMonitor()], verbose=0)
+    skipped = [str(w.message) for w in caught if "were skipped" in str(w.message)]
+    assert len(skipped) == 1
+    assert "Keras's LossScaleOptimizer halves its scale" in skipped[0]
+    assert "No loss scale is in use" not in skipped[0]
+
+
+@pytest.mark.parametrize(
+    "wrapped", [False, True], ids=["keras-loss-scale-optimizer", "mixed-precision-model"]
+)
+def test_steps_per_execution_that_does_not_divide_the_epoch_counts_each_step_once(wrapped):
+    # 8 batches in executions of 3: Keras ends the last, two-step execution
+    # at batch index 8, as if it had run three.
+    keras.config.set_dtype_policy("mixed_float16")  # conftest restores the policy
+    x, y = classification_data(n=256)
+    model = tiny_classifier(cls=None if wrapped else keras.Model)
+    model.compile("sgd", "sparse_categorical_crossentropy", steps_per_execution=3)
+    monitor, timer = mp.LossScaleMonitor(), mp.EpochTimer(batch_size=32)
+    nan_monitor = mp.NaNGradientMonitor()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mp.MixedPrecisionWarning)
+        history = model.fit(
+            x, y, epochs=2, batch_size=32, verbose=0, callbacks=[monitor, timer, nan_monitor]
+        ).history
+    assert history["skipped_steps"] == [0.0, 0.0]
+    assert [r["steps"] for r in timer.records] == [8, 8]
+    assert [r["samples"] for r in timer.records] == [256.0, 256.0]
+    assert [r["step"] for r in monitor.history] == [8, 16]
+    assert nan_monitor._steps_before_epoch == 16

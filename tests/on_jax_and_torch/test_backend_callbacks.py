@@ -123,3 +123,22 @@ def test_epoch_timer_counts_every_step_when_validation_begins_before_the_batch_h
     # The training part ends after the timer's hooks ran, each behind a slow
     # one (the warm epoch's four steps alone take milliseconds).
     assert timer.records[1]["epoch_time"] >= 0.3
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "jax", reason="Keras's torch trainer runs one step per execution"
+)
+def test_steps_per_execution_that_does_not_divide_the_epoch_counts_each_step_once():
+    # 8 batches in executions of 3: Keras ends the last, two-step execution
+    # at batch index 8, as if it had run three.
+    model = _model()
+    model.compile("sgd", "mse", steps_per_execution=3)
+    x, y = _data(64)
+    monitor, timer = mp.LossScaleMonitor(), mp.EpochTimer(batch_size=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mp.MixedPrecisionWarning)
+        history = model.fit(x, y, batch_size=8, epochs=2, callbacks=[monitor, timer], verbose=0).history
+    assert history["skipped_steps"] == [0.0, 0.0]
+    assert [record["steps"] for record in timer.records] == [8, 8]
+    assert [record["samples"] for record in timer.records] == [64.0, 64.0]
+    assert [record["step"] for record in monitor.history] == [8, 16]
