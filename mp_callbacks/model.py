@@ -72,6 +72,13 @@ def _batch_size(data: Any) -> tf.Tensor:
     return tf.shape(first)[0]
 
 
+def _in_float32(loss: Any) -> Any:
+    dtype = keras.backend.standardize_dtype(loss.dtype)
+    if dtype in ("float16", "bfloat16"):
+        return keras.ops.cast(loss, "float32")
+    return loss
+
+
 def _accounted(train_step: Callable) -> Callable:
     """Runs a `train_step` as one recorded step of the model's loss scale.
 
@@ -509,6 +516,14 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
         with self.distribute_strategy.scope():
             self._loss_scale.build(self.trainable_variables)
         return super().make_train_function(force=force)
+
+    @property
+    def losses(self) -> list[Any]:
+        """As `keras.Model.losses`, each floating loss in float32. An
+        activity regularizer's loss comes in its layer's float16 or
+        bfloat16, which Keras's `compute_loss` cannot add to a float32 loss
+        on TensorFlow (a `TypeError` in stock Keras)."""
+        return [_in_float32(loss) for loss in super().losses]
 
     def compute_loss(
         self,

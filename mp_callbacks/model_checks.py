@@ -55,6 +55,7 @@ class Finding:
             findings; for a grouped finding, the layers' names joined by
             ", ").
         kind: `"output_dtype"`, `"low_precision_output_op"`,
+            `"float16_activity_regularizer"`,
             `"float_index_input"`, `"tensor_core_alignment"`,
             `"missing_loss_scale"`, or `"not_checked"` (what the check could
             not see, such as a subclassed model's own `call`).
@@ -275,6 +276,9 @@ def check_model(model: keras.Model) -> list[Finding]:
       feeds the loss: it produces a model output, directly or through
       pass-through layers (a float32 `Activation("linear")` cast after a
       float16 softmax still feeds the loss a float16 softmax);
+    * an `activity_regularizer` on a layer that computes in float16: its
+      penalty (a sum over the whole batch's activations) is computed in
+      float16 too, where it overflows past 65504 and makes the loss inf;
     * float model inputs (a `keras.Input` without `dtype`) cast to
       float16/bfloat16 on their way to an `Embedding` (or another index
       lookup), which then looks up other rows than the ids say;
@@ -378,6 +382,7 @@ def _check(model: keras.Model) -> list[Finding]:
         inside = {id(layer) for sub_model in sub_models for layer in all_layers(sub_model, include_self=True)}
         layers = [layer for layer in layers if id(layer) not in inside]
         low_precision = [layer for layer in low_precision if id(layer) not in inside]
+    findings += _activity_regularizer_findings(low_precision)
     findings += _float_index_findings(layers)
     findings += _alignment_findings(layers, low_precision, _output_size_layers(outputs_from))
     if not _has_graph(model):
@@ -399,6 +404,25 @@ def _check(model: keras.Model) -> list[Finding]:
             )
         )
     return findings
+
+
+def _activity_regularizer_findings(layers: list[Any]) -> list[Finding]:
+    """Layers computing in float16 whose activity regularizer is computed
+    there too (Keras applies it to the layer's output, in its dtype)."""
+    return [
+        Finding(
+            layer.name,
+            "float16_activity_regularizer",
+            "its activity_regularizer is computed in float16, on the layer's output: the "
+            "penalty sums over the whole batch and overflows past 65504, and an inf loss "
+            "skips the step. Take the regularizer off this layer and add "
+            "keras.layers.ActivityRegularization(l1=..., l2=..., dtype='float32') after it, "
+            "which computes the same penalty in float32.",
+            (layer.name,),
+        )
+        for layer in layers
+        if _compute_dtype(layer) == "float16" and getattr(layer, "activity_regularizer", None) is not None
+    ]
 
 
 def _loss_scale_findings(model: keras.Model) -> list[Finding]:

@@ -773,3 +773,25 @@ def test_an_embedding_written_before_the_decision_is_put_back_and_never_read_by_
     steps = np.arange(1, 13)
     per_step = np.diff(np.concatenate([[0.0], np.array(means) * steps]))
     np.testing.assert_allclose(per_step, expected, rtol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_an_activity_regularizer_in_low_precision_trains_with_its_penalty_in_the_loss(policy):
+    # Stock Keras on TensorFlow cannot add the layer's float16 or bfloat16
+    # penalty to the float32 loss (a TypeError in compute_loss).
+    keras.mixed_precision.set_global_policy(policy)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, activity_regularizer=keras.regularizers.L2(0.1))(inputs)
+    model = mp.MixedPrecisionModel(inputs, keras.layers.Dense(1, dtype="float32")(hidden))
+    model.compile(keras.optimizers.SGD(0.0), "mse")  # nothing moves: the loss can be recomputed
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 4)).astype("float32"), rng.normal(size=(16, 1)).astype("float32")
+    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0).history
+    predictions = model(x, training=True)
+    assert [keras.backend.standardize_dtype(loss.dtype) for loss in model.losses] == ["float32"]
+    penalty = float(keras.ops.convert_to_numpy(model.losses[0]))
+    mse = float(np.mean((keras.ops.convert_to_numpy(predictions) - y) ** 2))
+    assert penalty > 0.01 * mse
+    assert history["loss"][0] == pytest.approx(mse + penalty, rel=1e-2)
+    assert history["skipped_steps"] == [0.0]

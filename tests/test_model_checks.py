@@ -281,3 +281,33 @@ def test_applications_get_one_finding_for_a_float16_head_and_none_for_a_float32_
     # either. What is left is the one real mistake: a float16 softmax output.
     assert [(f.kind, f.layer) for f in float16_head] == [("output_dtype", "predictions")]
     assert mp.check_model(_application(name, float32_head=True)) == []
+
+
+def _regularized(policy, remedy=False):
+    keras.mixed_precision.set_global_policy(policy)
+    inputs = keras.Input((8,))
+    if remedy:
+        hidden = keras.layers.Dense(16, name="hidden")(inputs)
+        hidden = keras.layers.ActivityRegularization(l2=0.01, dtype="float32", name="penalty")(hidden)
+    else:
+        hidden = keras.layers.Dense(16, activity_regularizer=keras.regularizers.L2(0.01), name="hidden")(
+            inputs
+        )
+    outputs = keras.layers.Dense(1, dtype="float32", name="out")(hidden)
+    return keras.Model(inputs, outputs)
+
+
+def test_a_float16_activity_regularizer_is_named_and_its_remedy_computes_what_float16_cannot():
+    large = np.full((64, 8), 40.0, "float32")  # a sum of squares far past 65504
+    model = _regularized("mixed_float16")
+    assert [f.layer for f in mp.check_model(model) if f.kind == "float16_activity_regularizer"] == ["hidden"]
+    model(large, training=True)
+    assert not np.isfinite(float(keras.ops.convert_to_numpy(model.losses[0])))
+    remedied = _regularized("mixed_float16", remedy=True)
+    remedied.set_weights(model.get_weights())
+    assert not [f for f in mp.check_model(remedied) if f.kind == "float16_activity_regularizer"]
+    remedied(large, training=True)
+    assert np.isfinite(float(keras.ops.convert_to_numpy(remedied.losses[0])))
+    bfloat16 = _regularized("mixed_bfloat16")  # bfloat16 has float32's range
+    assert not [f for f in mp.check_model(bfloat16) if f.kind == "float16_activity_regularizer"]
+    keras.mixed_precision.set_global_policy("float32")
