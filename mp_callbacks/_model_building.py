@@ -5,7 +5,10 @@ of a subclass."""
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
+import os
+import tempfile
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -79,12 +82,39 @@ def functional_variant(cls: type) -> type:
         variant = type(
             cls.__name__,
             (cls, Functional),
-            {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
+            {
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+                "__reduce__": _reduce_functional_variant,
+            },
         )
         # Serialized under the name the user registered for `cls`.
         register_serialized_name(variant, keras.saving.get_registered_name(cls))
         _FUNCTIONAL_VARIANTS[cls] = variant
     return variant
+
+
+def _reduce_functional_variant(model: Any) -> tuple[Any, tuple[Any, ...]]:
+    """How pickle saves a functional model: Keras's way (the .keras archive
+    in a buffer), rebuilt by `load_pickled_model`. Keras rebuilds with a
+    method of the model's class, which pickle finds by name, and a variant
+    made at run time has no name of its own."""
+    variant: type[Any] = next(
+        c for c in type(model).__mro__ if c.__dict__.get("__reduce__") is _reduce_functional_variant
+    )
+    _, arguments = super(variant, model).__reduce__()
+    return load_pickled_model, arguments
+
+
+def load_pickled_model(archive: io.BytesIO) -> Any:
+    """The model a pickled functional model's archive holds, compiled as
+    it was (with its loss scale), as Keras unpickles a model."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "pickled.keras")
+        with open(path, "wb") as file:
+            file.write(archive.getvalue())
+        # As Keras's own unpickling: unpickling runs code anyway.
+        return keras.saving.load_model(path, compile=True, safe_mode=False)
 
 
 def warn_about_findings(model: Any, loading: bool) -> None:

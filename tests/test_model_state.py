@@ -147,3 +147,38 @@ def test_export_serves_without_mp_callbacks(tmp_path):
     """)
     subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, timeout=300)
     np.testing.assert_allclose(np.load(tmp_path / "out.npy"), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("built", ["functional", "from_model"])
+def test_a_trained_model_pickles_and_trains_on_as_the_original(built):
+    # Keras pickles a model as its .keras archive (for distributed
+    # frameworks); a functional MixedPrecisionModel's class is made at run
+    # time, which pickle could not find by name.
+    import pickle
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    x, y = classification_data(n=64)
+    if built == "functional":
+        model = tiny_classifier(loss_scale=mp.LossScaler(initial_scale=1024.0, growth_interval=1))
+    else:
+        model = mp.MixedPrecisionModel.from_model(
+            tiny_classifier(cls=keras.Model),
+            loss_scale=mp.LossScaler(initial_scale=1024.0, growth_interval=1),
+        )
+    model.compile("adam", "sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert model.get_scale() == 1024.0 * 2**4
+    copy = pickle.loads(pickle.dumps(model))
+    assert isinstance(copy, mp.MixedPrecisionModel)
+    assert copy.get_scale() == model.get_scale()
+    for a, b in zip(model.get_weights(), copy.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    histories = [
+        m.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0).history for m in (model, copy)
+    ]
+    assert histories[0] == histories[1]
+    for a, b in zip(
+        model.get_weights() + [v.numpy() for v in model.optimizer.variables],
+        copy.get_weights() + [v.numpy() for v in copy.optimizer.variables],
+    ):
+        np.testing.assert_array_equal(a, b)

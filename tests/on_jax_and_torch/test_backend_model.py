@@ -417,3 +417,26 @@ def test_every_optimizer_feature_trains_as_stock_and_a_skip_keeps_its_state(feat
     after = _state(trained[1])
     assert [p for p in before if not np.array_equal(before[p], after[p])] == []
     assert history["skipped_steps"] == [1.0]
+
+
+def test_a_trained_model_pickles_and_trains_on_as_the_original():
+    # Keras pickles a model as its .keras archive (for distributed
+    # frameworks); a functional MixedPrecisionModel's class is made at run
+    # time, which pickle could not find by name.
+    import pickle
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = _functional(
+        mp.MixedPrecisionModel, dropout=False, loss_scale={"initial_scale": 1024.0, "growth_interval": 1}
+    )
+    model.compile(keras.optimizers.Adam(1e-2), "mse")
+    x, y = _data(32)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    copy = pickle.loads(pickle.dumps(model))
+    assert isinstance(copy, mp.MixedPrecisionModel)
+    assert copy.loss_scale_state() == model.loss_scale_state()
+    assert model.get_scale() != 1024.0  # the state pickled is the trained one
+    histories = [m.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0).history for m in (model, copy)]
+    assert histories[0] == histories[1]
+    for a, b in zip(model.weights + model.optimizer.variables, copy.weights + copy.optimizer.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
