@@ -33,6 +33,7 @@ from mp_callbacks._optimizer_arguments import (
     overwrites_with_gradient,
     scaler_from_arguments,
 )
+from mp_callbacks._validation import fail
 from mp_callbacks.backends.tensorflow import step as tf_step
 from mp_callbacks.backends.tensorflow.unscale_stage import stage_of
 from mp_callbacks.errors import MixedPrecisionWarning
@@ -49,6 +50,11 @@ _SCALING_EXAMPLE = """
     scaled_grads = tape.gradient(scaled_loss, vars)
     grads = opt.get_unscaled_gradients(scaled_grads)
     opt.apply_gradients([(grads, var)])"""
+
+
+def _watchable(variables: Iterable[Any]) -> list[Any]:
+    """What a `tf.GradientTape` can watch: a Keras variable's TensorFlow one."""
+    return [v.value if isinstance(v, keras.Variable) else v for v in variables]
 
 
 @keras.saving.register_keras_serializable(package="mp_callbacks")
@@ -279,6 +285,53 @@ class LossScaleOptimizer(ScaleOptimizerAttributes, DelegatedCheckpoint, keras.op
         unscaled = self.scaler._unscale(grads)
         stage_of(self.scaler).mark_unscaled(grads, unscaled, None, strict=False)
         return unscaled
+
+    # ------------------------------------------- tf.keras's one-call step
+    @tf.autograph.experimental.do_not_convert
+    def compute_gradients(
+        self, loss: Any, var_list: Any, tape: Any = None, grad_loss: Any = None
+    ) -> list[tuple[Any, Any]]:
+        """tf.keras's `compute_gradients`: the gradients of `loss`, computed
+        on the scaled loss and unscaled, paired with their variables.
+
+        Args:
+            loss: a callable without arguments that returns the loss, or
+                the loss tensor together with the `tape` that recorded it.
+            var_list: the variables, or a callable that returns them.
+            tape: a `tf.GradientTape`; needed for a tensor `loss`.
+            grad_loss: the gradient of `loss` to start from (tf.keras's
+                `grad_loss`), or None.
+        """
+        if not callable(loss) and tape is None:
+            fail(
+                "LossScaleOptimizer.compute_gradients",
+                "loss",
+                loss,
+                "a callable that returns the loss, or a tensor passed with the `tape` that recorded it",
+            )
+        tape = tf.GradientTape() if tape is None else tape
+        with tape:
+            if callable(loss):
+                if not callable(var_list):
+                    tape.watch(_watchable(var_list))
+                loss = loss()
+            if callable(var_list):
+                var_list = var_list()
+            scaled = self.get_scaled_loss(loss)
+        variables = list(var_list)
+        grads = tape.gradient(scaled, variables, output_gradients=grad_loss)
+        return list(zip(self.get_unscaled_gradients(grads), variables))
+
+    @tf.autograph.experimental.do_not_convert
+    def minimize(
+        self, loss: Any, var_list: Any, grad_loss: Any = None, name: str | None = None, tape: Any = None
+    ) -> Any:
+        """tf.keras's `minimize`: `compute_gradients`, then `apply_gradients`
+        (skipped where a gradient is not finite; the scale moves). `name`
+        is accepted for tf.keras's older signature and not used. Returns
+        the inner optimizer's iteration count."""
+        del name
+        return self.apply_gradients(self.compute_gradients(loss, var_list, tape=tape, grad_loss=grad_loss))
 
     # ------------------------------------------------------------- applying
     @tf.autograph.experimental.do_not_convert

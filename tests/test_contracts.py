@@ -156,6 +156,58 @@ def test_tf_keras_signature_and_attributes():
     assert default.initial_scale == 2.0**15 and default.dynamic_growth_steps == 2000
 
 
+def _identity_seeing_its_gradient(seen):
+    """The identity, recording the gradient that reaches it (the scale)."""
+
+    @tf.custom_gradient
+    def identity(x):
+        def grad(upstream):
+            seen.append(float(tf.reduce_sum(upstream)))
+            return upstream
+
+        return tf.identity(x), grad
+
+    return identity
+
+
+@pytest.mark.parametrize("in_function", [False, True], ids=["eager", "tf-function"])
+def test_tf_keras_minimize_scales_the_loss_unscales_once_and_moves_the_scale(in_function):
+    # tf.keras's own test: the loss is the identity of the variable, so the
+    # gradient reaching it is the scale and the update is the learning rate.
+    seen = []
+    # Read eagerly only: under tf.function the gradient is symbolic.
+    identity = tf.identity if in_function else _identity_seeing_its_gradient(seen)
+    variable = tf.Variable([5.0])
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(2.0), initial_scale=2, dynamic_growth_steps=1)
+    minimize = lambda: optimizer.minimize(lambda: identity(variable), var_list=[variable])  # noqa: E731
+    if in_function:
+        minimize = tf.function(minimize)
+    minimize()
+    np.testing.assert_array_equal(variable.numpy(), [3.0])
+    assert optimizer.get_scale() == 4.0
+    minimize()
+    np.testing.assert_array_equal(variable.numpy(), [1.0])
+    assert seen == ([] if in_function else [2.0, 4.0])
+    infinite = tf.Variable([np.inf])
+    optimizer.minimize(lambda: variable * infinite, var_list=lambda: [variable])
+    np.testing.assert_array_equal(variable.numpy(), [1.0])
+    assert optimizer.get_scale() == 4.0 and int(optimizer.iterations.numpy()) == 2
+
+
+def test_tf_keras_compute_gradients_takes_a_tape_and_keras_variables():
+    variable = keras.Variable([[1.0, 2.0]])
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.5), dynamic=False, initial_scale=8.0)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.convert_to_tensor(variable) * 3.0)
+    ((grad, of),) = optimizer.compute_gradients(loss, [variable], tape=tape)
+    assert of is variable
+    np.testing.assert_array_equal(grad.numpy(), [[3.0, 3.0]])
+    optimizer.minimize(lambda: tf.reduce_sum(tf.convert_to_tensor(variable) * 3.0), [variable])
+    np.testing.assert_array_equal(variable.numpy(), [[-0.5, 0.5]])
+    with pytest.raises(ValueError, match=r"`loss` must be a callable .*received loss="):
+        optimizer.compute_gradients(loss, [variable])
+
+
 def test_tf_keras_errors():
     with pytest.raises(TypeError, match="cannot wrap another LossScaleOptimizer"):
         LossScaleOptimizer(LossScaleOptimizer(keras.optimizers.SGD()))
