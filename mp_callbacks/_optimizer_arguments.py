@@ -221,10 +221,46 @@ class ScaleOptimizerAttributes:
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> Any:
+        """From `get_config`'s layout (Keras 3's and tf.keras's), or from
+        TensorFlow 2.3's (`optimizer` and a serialized `loss_scale`)."""
         config = dict(config)
-        inner = keras.saving.deserialize_keras_object(
-            config.pop("inner_optimizer"), custom_objects=custom_objects
-        )
+        if "inner_optimizer" not in config:
+            config = _from_tf23_layout(config, custom_objects)
+        inner = config.pop("inner_optimizer")
+        if not isinstance(inner, keras.optimizers.Optimizer):
+            inner = keras.saving.deserialize_keras_object(inner, custom_objects=custom_objects)
         if not config.get("dynamic", True):
             config.pop("dynamic_growth_steps", None)  # None in a fixed scale's config
         return cls(inner, **config)  # type: ignore[call-arg]
+
+
+def _from_tf23_layout(config: dict[str, Any], custom_objects: Any) -> dict[str, Any]:
+    """TensorFlow 2.3's config (`optimizer`, and `loss_scale` as a
+    serialized `FixedLossScale` or `DynamicLossScale`) in today's layout;
+    a `DynamicLossScale`'s multiplier becomes `growth_factor`."""
+    where = f"{OWNER}.from_config"
+    if "optimizer" not in config or not isinstance(config.get("loss_scale"), dict):
+        fail(
+            where,
+            "config",
+            config,
+            "a LossScaleOptimizer config: with `inner_optimizer` (Keras 3, tf.keras), or with "
+            "`optimizer` and a serialized `loss_scale` (TensorFlow 2.3)",
+        )
+    rest = {key: value for key, value in config.items() if key not in ("optimizer", "loss_scale")}
+    # Its optimizer config names a built-in class without a module.
+    rest["inner_optimizer"] = keras.optimizers.deserialize(config["optimizer"], custom_objects=custom_objects)
+    loss_scale = config["loss_scale"]
+    settings = loss_scale.get("config", {})
+    kind = loss_scale.get("class_name")
+    if kind == "FixedLossScale" and "loss_scale_value" in settings:
+        return {**rest, "dynamic": False, "initial_scale": settings["loss_scale_value"]}
+    if kind == "DynamicLossScale":
+        scale = {
+            "initial_scale": settings.get("initial_loss_scale", 2.0**15),
+            "dynamic_growth_steps": settings.get("increment_period", 2000),
+        }
+        if settings.get("multiplier", 2.0) != 2.0:
+            scale["growth_factor"] = settings["multiplier"]
+        return {**rest, **scale}
+    fail(where, "config['loss_scale']", loss_scale, "a serialized FixedLossScale or DynamicLossScale")

@@ -468,6 +468,59 @@ def test_keras_3_config_layout_and_integral_growth_steps():
     )
 
 
+_TF23_SGD = {
+    "class_name": "SGD",
+    "config": {"learning_rate": 2.0, "momentum": 0.5, "decay": 0.0, "nesterov": False, "name": "SGD"},
+}
+
+
+@pytest.mark.parametrize(
+    "loss_scale, expected",
+    [
+        ({"class_name": "FixedLossScale", "config": {"loss_scale_value": 2.0}}, (False, 2.0, None, 2.0)),
+        (
+            {
+                "class_name": "DynamicLossScale",
+                "config": {"initial_loss_scale": 2.0, "increment_period": 3, "multiplier": 2.0},
+            },
+            (True, 2.0, 3, 2.0),
+        ),
+        (
+            {
+                "class_name": "DynamicLossScale",
+                "config": {"initial_loss_scale": 8.0, "increment_period": 5, "multiplier": 4.0},
+            },
+            (True, 8.0, 5, 4.0),
+        ),
+    ],
+    ids=["fixed", "dynamic", "dynamic-multiplier-4"],
+)
+def test_tensorflow_2_3_config_layout_loads_and_trains(loss_scale, expected):
+    # tf.keras's own test: TF 2.3 saved the inner optimizer as `optimizer`
+    # and the scale as a serialized LossScale object. A multiplier other
+    # than 2 (which tf.keras refused) is this library's growth_factor.
+    with pytest.warns(UserWarning):  # Keras 3 ignores the legacy `decay`
+        optimizer = LossScaleOptimizer.from_config({"optimizer": _TF23_SGD, "loss_scale": loss_scale})
+    dynamic, initial, steps, growth = expected
+    assert (optimizer.dynamic, optimizer.initial_scale, optimizer.dynamic_growth_steps) == (
+        dynamic,
+        initial,
+        steps,
+    )
+    assert optimizer.scaler.growth_factor == growth or not dynamic
+    assert float(optimizer.learning_rate) == 2.0 and optimizer.inner_optimizer.momentum == 0.5
+    variable = tf.Variable([5.0])
+    optimizer.minimize(lambda: tf.identity(variable), [variable])
+    np.testing.assert_array_equal(variable.numpy(), [3.0])
+
+
+def test_a_config_of_neither_layout_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"from_config: `config` must be a LossScaleOptimizer config"):
+        LossScaleOptimizer.from_config({"optimizer": _TF23_SGD})
+    with pytest.raises(ValueError, match=r"`config\['loss_scale'\]` must be a serialized FixedLossScale"):
+        LossScaleOptimizer.from_config({"optimizer": _TF23_SGD, "loss_scale": {"class_name": "Other"}})
+
+
 def test_unknown_arguments_are_refused_as_both_peers_refuse_them():
     with pytest.raises(mp.UnsupportedArgumentError, match="arguments: `foo`, `bar`") as caught:
         LossScaleOptimizer(keras.optimizers.SGD(), foo=True, bar=3)
