@@ -84,6 +84,10 @@ if _version_tuple(keras.__version__) < _MIN_KERAS:  # pragma: no cover
         "Upgrade with `pip install -U keras`."
     )
 
+#: Keras before 3.11 ends each run of `steps_per_execution` steps with the
+#: index of its first batch; 3.11 and later with that of its last.
+BATCH_END_NAMES_FIRST_STEP: bool = _version_tuple(keras.__version__) < (3, 11)
+
 #: The Keras backend in use: "tensorflow", "jax" or "torch".
 BACKEND: str = keras.backend.backend()
 if BACKEND not in SUPPORTED_BACKENDS:

@@ -7,7 +7,7 @@ import copy
 import threading
 from typing import Any
 
-from mp_callbacks._backend import BACKEND, keras
+from mp_callbacks._backend import BACKEND, BATCH_END_NAMES_FIRST_STEP, keras
 from mp_callbacks._loss_scale_source import LossScaleSource
 
 __all__ = ["MixedPrecisionCallback"]
@@ -40,6 +40,10 @@ class MixedPrecisionCallback(keras.callbacks.Callback):
         """Counts batch `batch` (0-based) of the epoch, in whatever order
         the hooks run; returns the steps seen so far."""
         steps = batch + 1
+        if BATCH_END_NAMES_FIRST_STEP:
+            # Keras 3.10 (TensorFlow only) names the execution by its first
+            # batch: read once per execution, never on JAX.
+            steps = batch + max(1, int(getattr(self._model, "steps_per_execution", 1) or 1))
         # With steps_per_execution, Keras ends an epoch's last, shorter
         # execution at the index a full one would reach (8 batches in runs
         # of 3 end at index 8): never count past the epoch's known length.
