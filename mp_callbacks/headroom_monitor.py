@@ -57,8 +57,10 @@ class HeadroomMonitor(MixedPrecisionCallback):
     Args:
         probe: array, tensor or structure of them. The probe inputs (what
             `model(probe)` accepts), a few samples.
-        every_n_steps: int >= 1. Probe every this many training steps; each
-            probe is one forward pass of the probe batch. Defaults to `1000`.
+        every_n_steps: int >= 1. Probe every this many training steps (with
+            `steps_per_execution`, after the execution that reaches the
+            step); each probe is one forward pass of the probe batch.
+            Defaults to `1000`.
         warn_above: float in (0, 1]. Warn when a float16 layer uses more
             than this share of float16's range. Defaults to `0.5`.
         layers: list of str or None. Names of the layers to log. Defaults to
@@ -132,6 +134,8 @@ class HeadroomMonitor(MixedPrecisionCallback):
         self.target = target
         self.history: list[dict[str, Any]] = []
         self._steps = 0
+        self._steps_before_epoch = 0
+        self._probed_in_epoch = False
         self._epoch = 0
         self._epoch_max: dict[str, float] = {}
         self._warned: set[str] = set()
@@ -155,14 +159,21 @@ class HeadroomMonitor(MixedPrecisionCallback):
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
         self._epoch_max = {}
+        self._epoch_steps = 0
+        self._steps_before_epoch = self._steps
+        self._probed_in_epoch = False
 
     def on_train_batch_end(self, batch, logs=None):
-        self._steps += 1
-        if self._steps % self.every_n_steps == 0:
+        # Counted in steps, not calls: with steps_per_execution one call
+        # ends several steps, and a multiple of every_n_steps among them probes.
+        before = self._steps
+        self._steps = self._steps_before_epoch + self._note_batch(batch)
+        if self._steps // self.every_n_steps > before // self.every_n_steps:
+            self._probed_in_epoch = True
             self._probe()
 
     def on_epoch_end(self, epoch, logs=None):
-        if not self._epoch_max:
+        if not self._probed_in_epoch:
             self._probe()
         if logs is not None:
             for name, share in self._epoch_max.items():

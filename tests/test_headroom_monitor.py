@@ -126,3 +126,21 @@ def test_only_layers_with_float16s_range_are_logged_unless_chosen(policy):
     ).history
     assert [k for k in history if k.startswith("headroom/")] == ["headroom/hidden"]
     assert 0 < history["headroom/hidden"][0] < 1e-30  # the share of 3.4e38 it uses
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_every_n_steps_counts_steps_not_executions(steps_per_execution):
+    # 8 batches in executions of 3 end at steps 3, 6 and 8: a probe after
+    # each execution that reaches a multiple of 2, and the history numbers
+    # the steps; the second epoch goes on from the first's 8.
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 6)).astype("float32"), rng.normal(size=(64, 1)).astype("float32")
+    model = _sampling_model()
+    model.compile(keras.optimizers.SGD(0.05), "mse", steps_per_execution=steps_per_execution)
+    monitor = mp.HeadroomMonitor(probe=x[:4], every_n_steps=2)
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[monitor])
+    expected = {1: [2, 4, 6, 8, 10, 12, 14, 16], 3: [3, 6, 8, 11, 14, 16]}[steps_per_execution]
+    assert [record["step"] for record in monitor.history] == expected
+    assert [record["epoch"] for record in monitor.history] == [0] * (len(expected) // 2) + [1] * (
+        len(expected) // 2
+    )

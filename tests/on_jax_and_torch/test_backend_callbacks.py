@@ -142,3 +142,17 @@ def test_steps_per_execution_that_does_not_divide_the_epoch_counts_each_step_onc
     assert [record["steps"] for record in timer.records] == [8, 8]
     assert [record["samples"] for record in timer.records] == [64.0, 64.0]
     assert [record["step"] for record in monitor.history] == [8, 16]
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "jax", reason="Keras's torch trainer runs one step per execution"
+)
+def test_headroom_monitor_counts_steps_not_executions():
+    # Executions of 3 end at steps 3, 6 and 8 of each epoch: a probe after
+    # each that reaches a multiple of 2, none more at the epoch's end.
+    model = _model()
+    model.compile("sgd", "mse", steps_per_execution=3)
+    x, y = _data(64)
+    monitor = mp.HeadroomMonitor(probe=x[:4], every_n_steps=2)
+    model.fit(x, y, batch_size=8, epochs=2, callbacks=[monitor], verbose=0)
+    assert [record["step"] for record in monitor.history] == [3, 6, 8, 11, 14, 16]
