@@ -41,9 +41,9 @@ class MixedPrecisionCallback(keras.callbacks.Callback):
         the hooks run; returns the steps seen so far."""
         steps = batch + 1
         if BATCH_END_NAMES_FIRST_STEP:
-            # Keras 3.10 (TensorFlow only) names the execution by its first
-            # batch: read once per execution, never on JAX.
-            steps = batch + max(1, int(getattr(self._model, "steps_per_execution", 1) or 1))
+            # Keras 3.10 names the execution by its first batch. It runs
+            # TensorFlow only here, where reading `model` syncs nothing.
+            steps = batch + max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
         # With steps_per_execution, Keras ends an epoch's last, shorter
         # execution at the index a full one would reach (8 batches in runs
         # of 3 end at index 8): never count past the epoch's known length.
