@@ -159,23 +159,35 @@ class _KeptBatch:
         if self.structure is None:
             # Only the layout (where the None entries are), not the tensors.
             self.structure = tf.nest.map_structure(lambda t: None if t is None else True, data)
+        first = next(iter(self.sets.values()), None)
+        if first is not None and [t.dtype for t in flat] != [v.dtype for v in first[0]]:
+            # Checked before any variable is made: a retrace (a new batch
+            # structure) may not create variables in Keras's tf.function.
+            self.not_kept = "its structure differs from the first batch's, and only that one is kept"
+            return []
         key = tuple((tuple(t.shape), t.dtype.name) for t in flat) if fixed_shapes else None
         if key not in self.sets:
-            with tf.init_scope():
-                variables = [
-                    tf.Variable(
-                        tf.zeros(t.shape if fixed_shapes else [0] * len(t.shape), t.dtype),
-                        shape=t.shape if fixed_shapes else tf.TensorShape(None),
-                        trainable=False,
-                        name="kept_batch",
-                    )
-                    for t in flat
-                ]
-                step_variable = tf.Variable(-1, dtype=tf.int64, trainable=False, name="kept_batch_step")
+            try:
+                with tf.init_scope():
+                    variables = [
+                        tf.Variable(
+                            tf.zeros(t.shape if fixed_shapes else [0] * len(t.shape), t.dtype),
+                            shape=t.shape if fixed_shapes else tf.TensorShape(None),
+                            trainable=False,
+                            name="kept_batch",
+                        )
+                        for t in flat
+                    ]
+                    step_variable = tf.Variable(-1, dtype=tf.int64, trainable=False, name="kept_batch_step")
+            except ValueError:
+                # tf.function refuses variables made after its first call
+                # (XLA retracing for a new static shape): keep nothing then.
+                self.not_kept = (
+                    "with jit_compile=True a batch of a new shape after the first step is not kept"
+                )
+                return []
             self.sets[key] = (variables, step_variable)
         variables, step_variable = self.sets[key]
-        if len(flat) != len(variables) or any(t.dtype != v.dtype for t, v in zip(flat, variables)):
-            return []  # another structure than the first batch's: keep nothing
         return list(zip(variables, flat)) + [(step_variable, step)]
 
     def read(self) -> tuple[Any, int] | None:

@@ -425,6 +425,29 @@ def test_the_overflowing_layer_is_named_under_xla_too(jit_compile):
     assert monitor.error.origin == "blowup"
 
 
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_xla_retraces_for_a_new_batch_structure_and_shape_as_stock(policy):
+    # Keras's own trainer test (test_on_batch_methods[jit]): a batch with
+    # sample weights after one without, then another batch size. The kept
+    # batch may not make variables in the retrace.
+    keras.mixed_precision.set_global_policy(policy)
+    x, y = np.ones((8, 4), "float32"), np.ones((8, 1), "float32")
+    losses = {}
+    for cls in (keras.Model, mp.MixedPrecisionModel):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4,))
+        model = cls(inputs, keras.layers.Dense(1, dtype="float32")(keras.layers.Dense(3)(inputs)))
+        model.compile("sgd", "mse", jit_compile=True)
+        losses[cls] = [
+            model.train_on_batch(x, y, return_dict=True)["loss"],
+            model.train_on_batch(x, y, np.full((8,), 0.5, "float32"), return_dict=True)["loss"],
+            model.train_on_batch(x[:5], y[:5], return_dict=True)["loss"],
+        ]
+    np.testing.assert_allclose(
+        losses[mp.MixedPrecisionModel], losses[keras.Model], rtol=1e-3 if policy != "float32" else 0
+    )
+
+
 # --------------------------------------------------------------- autotune
 
 
