@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from mp_callbacks._backend import BACKEND, counter_dtype, keras, tf
+from mp_callbacks._unscale import overwrites_with_gradient
 
 __all__ = [
     "CheckedGradients",
@@ -153,7 +154,7 @@ def decision(checked: CheckedGradients | None, flags: Any, replicas: int = 1) ->
 def applied_norm(checked: CheckedGradients, grads: list[Any], variables: list[Any]) -> Any:
     """The global norm of the gradients, leaving out float8 state variables,
     whose "gradients" are their next values."""
-    overwrite = [bool(getattr(v, "overwrite_with_gradient", False)) for v in variables]
+    overwrite = [overwrites_with_gradient(v) for v in variables]
     if not any(overwrite):
         return checked.global_norm
     squares = [half_sum_of_squares(g) for g, skip in zip(grads, overwrite) if not skip]

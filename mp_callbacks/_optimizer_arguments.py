@@ -22,7 +22,6 @@ __all__ = [
     "BASE_DEFAULTS",
     "EXTRA_SETTINGS",
     "check_inner",
-    "overwrites_with_gradient",
     "scaler_from_arguments",
 ]
 
@@ -48,12 +47,6 @@ EXTRA_SETTINGS = {
     "max_scale": 2.0**24,
     "hysteresis": 1,
 }
-
-
-def overwrites_with_gradient(variable: Any) -> bool:
-    """float8 layers' scale and amax-history variables: their "gradient" is
-    their next value, which must be neither unscaled nor optimized."""
-    return bool(getattr(variable, "overwrite_with_gradient", False))
 
 
 def integral(value: Any) -> Any:

@@ -46,6 +46,7 @@ from mp_callbacks._scale_state import (
     check_fixed_scale,
     check_scale,
 )
+from mp_callbacks._unscale import unscale
 from mp_callbacks._validation import FLOAT32_MAX
 from mp_callbacks.backends.tensorflow import step as tf_step
 from mp_callbacks.backends.tensorflow.step_record import StepRecord
@@ -300,25 +301,7 @@ class LossScaler(ScaleConfig, tf.Module):
         grads = list(grads)
         if not self.scaling_active:
             return grads
-        inverse = tf.math.reciprocal(self._scale)
-        overwrite = (
-            [bool(getattr(v, "overwrite_with_gradient", False)) for v in variables]
-            if variables is not None
-            else [False] * len(grads)
-        )
-
-        def unscale_one(grad, keep):
-            if grad is None or keep:
-                return grad
-            if isinstance(grad, tf.IndexedSlices):
-                return tf.IndexedSlices(
-                    grad.values * tf.cast(inverse, grad.values.dtype),
-                    grad.indices,
-                    grad.dense_shape,
-                )
-            return grad * tf.cast(inverse, grad.dtype)
-
-        return [unscale_one(g, keep) for g, keep in zip(grads, overwrite)]
+        return unscale(grads, self._scale, None if variables is None else list(variables))
 
     @_no_autograph
     def check_gradients(self, grads: Sequence[Any]) -> CheckedGradients:

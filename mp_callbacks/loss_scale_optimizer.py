@@ -30,9 +30,9 @@ from mp_callbacks._keras_internals import DelegatedCheckpoint
 from mp_callbacks._optimizer_arguments import (
     ScaleOptimizerAttributes,
     check_inner,
-    overwrites_with_gradient,
     scaler_from_arguments,
 )
+from mp_callbacks._unscale import overwrites_with_gradient
 from mp_callbacks._validation import fail
 from mp_callbacks.backends.tensorflow import step as tf_step
 from mp_callbacks.backends.tensorflow.unscale_stage import stage_of

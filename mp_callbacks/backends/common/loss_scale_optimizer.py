@@ -22,11 +22,11 @@ from mp_callbacks._backend import keras
 from mp_callbacks._keras_internals import optimizer_built_variables, optimizer_own_variables
 from mp_callbacks._optimizer_arguments import (
     ScaleOptimizerAttributes,
-    overwrites_with_gradient,
     scaler_from_arguments,
 )
+from mp_callbacks._unscale import overwrites_with_gradient, unscale
 from mp_callbacks.backends.common.loss_scaler import LossScaler
-from mp_callbacks.backends.common.step import scale_loss, unscale
+from mp_callbacks.backends.common.step import scale_loss
 
 __all__ = ["VariableScaleOptimizer"]
 
@@ -230,16 +230,14 @@ class VariableScaleOptimizer(ScaleOptimizerAttributes, keras.optimizers.LossScal
         by_hand, self._mp_unscaled_by_hand = self._mp_unscaled_by_hand, False
         if not self.scaler.scaling_active:
             return grads
-        inverse = 1.0 / scale
-        unscaled: list[Any] = []
-        for grad, variable in zip(grads, optimizer_built_variables(self)):
-            if grad is None:
-                unscaled.append(None)
-            elif overwrites_with_gradient(variable):
-                # get_unscaled_gradients divided these too: undo it.
-                unscaled.append(grad * ops.cast(scale, grad.dtype) if by_hand else grad)
-            else:
-                unscaled.append(grad if by_hand else grad * ops.cast(inverse, grad.dtype))
-        return unscaled
+        variables = optimizer_built_variables(self)
+        if not by_hand:
+            return unscale(grads, scale, variables)
+        # get_unscaled_gradients could not tell float8 state from
+        # gradients and divided those too: undo it.
+        return [
+            g * ops.cast(scale, g.dtype) if g is not None and overwrites_with_gradient(v) else g
+            for g, v in zip(grads, variables)
+        ]
 
     # ---------------------------------------------------- serialization

@@ -156,6 +156,8 @@ class VariableScaleModel(keras.Model):
     _mp_default_train_step: Callable[..., Any]
     #: Waited for before the kept batch is read (JAX's host callbacks).
     _mp_kept_barrier: Callable[[], None] | None = None
+    #: The backend's `LossScaleOptimizer` (set by each backend's class).
+    _mp_optimizer_class: type
 
     def __init__(self, *args: Any, loss_scale: Any = AUTO, **kwargs: Any) -> None:
         if functional_init_arguments(args, kwargs):
@@ -219,29 +221,45 @@ class VariableScaleModel(keras.Model):
         return wrap_model(cls, model, loss_scale, kwargs)
 
     # ---------------------------------------------------------- loss scale
+    def _optimizer_scaler(self) -> LossScaler | None:
+        """The scaler of the loss-scale optimizer your own train_step
+        applies through (None for the model's own step, or without one)."""
+        held = getattr(getattr(self, "optimizer", None), "scaler", None)
+        return held if self._has_own_train_step() and isinstance(held, LossScaler) else None
+
+    def _scale_variables(self) -> dict[str, Any]:
+        """The state variables of the scale in use (an own step's optimizer's, once built)."""
+        optimizer = getattr(self, "optimizer", None)
+        if self._optimizer_scaler() is not None and optimizer.built:
+            return optimizer._mp_state
+        return self._mp_state
+
     @property
     def scaler(self) -> LossScaler | None:
-        """The `LossScaler` this model trains with (None until `compile`
-        resolves "auto"): settings, `get_scale()`, `diagnostics()`."""
-        return self._mp_scaler
+        """The `LossScaler` that scales this model's loss (None until
+        `compile` resolves "auto"): settings, `get_scale()`,
+        `diagnostics()`. For your own `train_step` that applies through
+        `self.optimizer`, the loss-scale optimizer's."""
+        return self._optimizer_scaler() or self._mp_scaler
 
     @property
     def loss_scale(self) -> Any:
         """The current loss scale (a float32 scalar); None before `compile`
         resolves "auto"."""
-        return None if self._mp_settings is None else self._mp_state["scale"].value
+        return None if self.scaler is None else self._scale_variables()["scale"].value
 
     def get_scale(self) -> float:
         """The current loss scale as a Python float (1.0: no scaling)."""
-        if self._mp_settings is None:
+        if self.scaler is None:
             return 2.0**15 if self._computes_in_float16() else 1.0
-        return float(ops.convert_to_numpy(self._mp_state["scale"].value))
+        return float(ops.convert_to_numpy(self._scale_variables()["scale"].value))
 
     def loss_scale_state(self) -> dict[str, Any]:
         """The state machine's variables as Python numbers (a host read)."""
+        variables = self._scale_variables()
         return {
             spec.name: (float if spec.dtype == "float32" else int)(
-                ops.convert_to_numpy(self._mp_state[spec.name].value)
+                ops.convert_to_numpy(variables[spec.name].value)
             )
             for spec in _scale_state.STATE_VARIABLES
         }
@@ -334,14 +352,33 @@ class VariableScaleModel(keras.Model):
         wrapping is off; a Keras `LossScaleOptimizer` is unwrapped and its
         scale adopted; `auto_scale_loss=False` turns off "auto"."""
         if self._has_own_train_step():
-            # Your own stateless train_step applies through self.optimizer:
-            # compiled as stock Keras compiles it (a LossScaleOptimizer under
-            # mixed_float16), it is never less safe than stock. Its
-            # `loss_scaling()` (with auto_scale_loss=False) scales with ours.
+            # Your own train_step applies through self.optimizer: compiled
+            # as stock Keras compiles it (a loss-scale optimizer under
+            # mixed_float16, never less safe than stock), but the loss-scale
+            # optimizer is ours, on the model's settings, so that the scale
+            # that scales the loss is the one `scaler`, `get_scale()` and the
+            # monitors report. Its `loss_scaling()` (with
+            # auto_scale_loss=False) scales with the model's own variables.
             super().compile(optimizer, *args, **kwargs)
             if self._mp_chosen_by != "user":
                 self._adopt(_DYNAMIC if self._computes_in_float16() else _DISABLED)
                 self._mp_chosen_by = "auto"
+            stock = self.optimizer
+            if isinstance(stock, keras.optimizers.LossScaleOptimizer) and not isinstance(
+                getattr(stock, "scaler", None), LossScaler
+            ):
+                settings = self._mp_settings
+                if self._mp_chosen_by != "user" and settings is not None:
+                    settings = _scale_state.ScaleSettings.checked(
+                        **{
+                            **_settings_dict(settings),
+                            "initial_scale": float(stock.initial_scale),
+                            "growth_interval": int(stock.dynamic_growth_steps),
+                        }
+                    )
+                self.optimizer = self._mp_optimizer_class(
+                    stock.inner_optimizer, loss_scale=LossScaler(**_settings_dict(settings or _DYNAMIC))
+                )
             self._build_optimizer()
             return
         auto_scale_loss = kwargs.pop("auto_scale_loss", True)

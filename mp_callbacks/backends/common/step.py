@@ -11,7 +11,8 @@ from typing import Any, NamedTuple
 
 from mp_callbacks import _scale_state
 from mp_callbacks._backend import keras
-from mp_callbacks._gradient_check import check_gradients, nonfinite_flag
+from mp_callbacks._gradient_check import applied_norm, check_gradients, nonfinite_flag
+from mp_callbacks._unscale import unscale
 
 __all__ = ["StepOutcome", "check", "finished_state", "scale_loss", "unscale"]
 
@@ -31,19 +32,16 @@ def scale_loss(loss: Any, scale: Any) -> Any:
     return ops.cast(loss, "float32") * scale
 
 
-def unscale(grads: Sequence[Any], scale: Any) -> list[Any]:
-    """Each gradient times 1/scale, in its own dtype (the rule TensorFlow's
-    step and Keras's `LossScaleOptimizer` use)."""
-    inverse = 1.0 / scale
-    return [None if g is None else g * ops.cast(inverse, g.dtype) for g in grads]
-
-
-def check(grads: Sequence[Any], loss: Any) -> StepOutcome:
+def check(grads: Sequence[Any], loss: Any, variables: Sequence[Any] | None = None) -> StepOutcome:
     """One pass over the (unscaled) gradients: the decision, the flags the
-    state machine counts, and the norm."""
-    checked = check_gradients(list(grads))
+    state machine counts, and the norm (without the float8 state among
+    `variables`, whose "gradients" are their next values; they are checked
+    all the same, so that no inf or NaN enters an amax history)."""
+    grads = list(grads)
+    checked = check_gradients(grads)
     flags = ops.concatenate([checked.flags, ops.expand_dims(nonfinite_flag(loss), 0)])
-    return StepOutcome(checked.all_finite, flags, checked.global_norm)
+    norm = checked.global_norm if variables is None else applied_norm(checked, grads, list(variables))
+    return StepOutcome(checked.all_finite, flags, norm)
 
 
 def finished_state(

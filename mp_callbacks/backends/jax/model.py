@@ -21,6 +21,7 @@ from mp_callbacks._keras_internals import update_metrics_variables
 from mp_callbacks._model_building import LOG_KEYS
 from mp_callbacks.backends.common.model import VariableScaleModel, scaler_from_argument
 from mp_callbacks.backends.jax import step as jax_step
+from mp_callbacks.backends.jax.loss_scale_optimizer import LossScaleOptimizer
 
 __all__ = ["LOG_KEYS", "MixedPrecisionModel", "scaler_from_argument"]
 
@@ -121,8 +122,8 @@ class MixedPrecisionModel(VariableScaleModel):
 
         (_, aux), grads = jax.value_and_grad(scaled_loss, has_aux=True)(trainable, non_trainable)
         loss, y_pred, new_non_trainable, metrics_vars = aux
-        grads = scaling.unscale(grads)
-        outcome = scaling.check(grads, loss)
+        grads = scaling.unscale(grads, self.trainable_variables)
+        outcome = scaling.check(grads, loss, self.trainable_variables)
         if keras.distribution.distribution() is None:
             scaling.hand_over_if_skipped(
                 outcome, non_trainable, (x, y, sample_weight), self.keep_skipped_batch
@@ -143,3 +144,4 @@ class MixedPrecisionModel(VariableScaleModel):
         return {**logs, **scale_logs}, (trainable, non_trainable, optimizer_vars, metrics_vars)
 
     _mp_default_train_step = train_step
+    _mp_optimizer_class = LossScaleOptimizer

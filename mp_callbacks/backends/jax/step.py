@@ -171,14 +171,17 @@ class LossScaling:
         """The loss to differentiate: times the scale, in float32."""
         return scale_loss(loss, self.value) if self.active else loss
 
-    def unscale(self, grads: Sequence[Any]) -> list[Any]:
-        """The gradients of a scaled loss, divided by the scale once."""
-        return unscale(grads, self.value) if self.active else list(grads)
+    def unscale(self, grads: Sequence[Any], variables: Sequence[Any] | None = None) -> list[Any]:
+        """The gradients of a scaled loss, divided by the scale once; those
+        of float8 state among `variables` (the variables the gradients are
+        for, in order) pass as they are (`mp_callbacks._unscale`)."""
+        return unscale(grads, self.value, variables) if self.active else list(grads)
 
-    def check(self, grads: Sequence[Any], losses: Any) -> StepOutcome:
+    def check(self, grads: Sequence[Any], losses: Any, variables: Sequence[Any] | None = None) -> StepOutcome:
         """The step's one decision, over all its (unscaled) gradients and
-        its loss or losses: applied only if every one is finite."""
-        return check(grads, losses)
+        its loss or losses: applied only if every one is finite (the norm
+        leaves out float8 state among `variables`)."""
+        return check(grads, losses, variables)
 
     def keep_if_skipped(self, outcome: StepOutcome, new: Any, old: Any) -> Any:
         """`new` (what the optimizers computed) if the step applies, else

@@ -20,6 +20,7 @@ from mp_callbacks._keras_internals import call_has_training_arg, compute_loss, l
 from mp_callbacks._model_building import LOG_KEYS
 from mp_callbacks.backends.common.model import VariableScaleModel, scaler_from_argument
 from mp_callbacks.backends.torch import step as torch_step
+from mp_callbacks.backends.torch.loss_scale_optimizer import LossScaleOptimizer
 
 __all__ = ["LOG_KEYS", "MixedPrecisionModel", "scaler_from_argument"]
 
@@ -74,8 +75,8 @@ class MixedPrecisionModel(VariableScaleModel):
         weights = self.trainable_weights[:]
         if weights:
             scaling.scale(loss).backward()
-        grads = scaling.unscale([w.value.grad for w in weights])
-        outcome = scaling.check(grads, loss)
+        grads = scaling.unscale([w.value.grad for w in weights], weights)
+        outcome = scaling.check(grads, loss, weights)
         scaling.apply_if_finite(outcome, self.optimizer, grads, weights)
         scaling.commit(outcome, forward)
         if not scaling.applies(outcome):
@@ -85,3 +86,4 @@ class MixedPrecisionModel(VariableScaleModel):
         return {**self.compute_metrics(x, y, y_pred, sample_weight=sample_weight), **logs}
 
     _mp_default_train_step = train_step
+    _mp_optimizer_class = LossScaleOptimizer

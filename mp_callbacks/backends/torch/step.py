@@ -26,6 +26,7 @@ import torch
 from mp_callbacks import _scale_state
 from mp_callbacks._backend import counter_dtype
 from mp_callbacks._keras_internals import deferring_stateless_scope
+from mp_callbacks._unscale import overwrites_with_gradient, unscale
 from mp_callbacks.backends.common.step import StepOutcome, finished_state, scale_loss
 from mp_callbacks.backends.torch import tensor_ops
 from mp_callbacks.backends.torch.applied_step import (
@@ -123,14 +124,23 @@ def read_on_host(
 
 
 def check_on_host(
-    grads: Sequence[Any], losses: Any = None, state: dict[str, torch.Tensor] | None = None
+    grads: Sequence[Any],
+    losses: Any = None,
+    state: dict[str, torch.Tensor] | None = None,
+    overwrite: Sequence[bool] | None = None,
 ) -> tuple[StepOutcome, HostReading]:
     """One pass over the (unscaled) gradients and the one host read (of
     the decision and of `state`): the outcome (the flags, exact per
     gradient only where a gradient is not finite, then the loss's) and what
-    the host read."""
+    the host read. The gradients marked in `overwrite` (float8 state, whose
+    "gradients" are their next values) count for the decision, not the norm."""
     grads = list(grads)
-    norm = global_norm(grads)
+    if overwrite is not None and any(overwrite):
+        # + 0 * their norm: the applied norm exactly where they are finite, NaN elsewhere.
+        state_norm = global_norm([g for g, kept in zip(grads, overwrite) if kept])
+        norm = global_norm([g for g, kept in zip(grads, overwrite) if not kept]) + 0.0 * state_norm
+    else:
+        norm = global_norm(grads)
     reading = read_on_host(norm, losses, state)
     if reading.applied:
         flags = torch.zeros((len(grads) + 1,), dtype=_FLAG)
@@ -185,31 +195,21 @@ class LossScaling:
         """The loss to call `backward()` on: times the scale, in float32."""
         return scale_loss(loss, self.value) if self.active else loss
 
-    def unscale(self, grads: Sequence[Any]) -> list[Any]:
-        """The gradients of a scaled loss, divided by the scale once: each
-        times 1/scale in its own dtype (`backends/common/step.unscale`'s
-        rule, in torch's functions)."""
-        if not self.active:
-            return list(grads)
-        inverse = torch.reciprocal(self.value)
-        by_dtype: dict[torch.dtype, torch.Tensor] = {}
-        unscaled: list[Any] = []
-        for grad in grads:
-            if grad is None:
-                unscaled.append(None)
-                continue
-            if grad.dtype not in by_dtype:
-                by_dtype[grad.dtype] = inverse.to(grad.dtype)
-            unscaled.append(grad * by_dtype[grad.dtype])
-        return unscaled
+    def unscale(self, grads: Sequence[Any], variables: Sequence[Any] | None = None) -> list[Any]:
+        """The gradients of a scaled loss, divided by the scale once; those
+        of float8 state among `variables` (the variables the gradients are
+        for, in order) pass as they are (`mp_callbacks._unscale`)."""
+        return unscale(grads, self.value, variables) if self.active else list(grads)
 
     @torch.compiler.disable
-    def check(self, grads: Sequence[Any], losses: Any) -> StepOutcome:
+    def check(self, grads: Sequence[Any], losses: Any, variables: Sequence[Any] | None = None) -> StepOutcome:
         """The step's one decision, over all its (unscaled) gradients and
-        its loss or losses: applied only if every gradient is finite. Its
-        host read is the step's one sync (`applies` and `finish` reuse it)."""
+        its loss or losses: applied only if every gradient is finite (the
+        norm leaves out float8 state among `variables`). Its host read is
+        the step's one sync (`applies` and `finish` reuse it)."""
         tensors = self._state_tensors()
-        outcome, reading = check_on_host(grads, losses, {name: tensors[name] for name in _READ})
+        overwrite = None if variables is None else [overwrites_with_gradient(v) for v in variables]
+        outcome, reading = check_on_host(grads, losses, {name: tensors[name] for name in _READ}, overwrite)
         self._readings[id(outcome.applied)] = reading
         return outcome
 

@@ -1,0 +1,123 @@
+"""Guarantees that hold on every backend: one module, collected by the
+TensorFlow, JAX and torch suites alike (no TensorFlow import here), so that
+a guarantee cannot hold on one backend and not on another."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+import mp_callbacks as mp
+
+BACKEND = keras.backend.backend()
+
+
+# ------------------------------------------------------------------ float8
+def _float8_model(cls):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    dense = keras.layers.Dense(8, name="f8")
+    outputs = keras.layers.Dense(2, dtype="float32", name="head")(dense(inputs))
+    model = cls(inputs, outputs)
+    dense.quantize("float8")
+    return model
+
+
+def _float8_state(model):
+    return {
+        v.path: np.array(v.numpy())
+        for v in model.trainable_variables
+        if getattr(v, "overwrite_with_gradient", False)
+    }
+
+
+def test_float8_scales_and_histories_train_as_in_stock_keras_under_float16():
+    # Their "gradients" are their next values: never unscaled, never optimized.
+    keras.config.set_dtype_policy("mixed_float16")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 8)).astype("float32")
+    y = rng.normal(size=(32, 2)).astype("float32")
+    states, norms = [], None
+    for cls in (keras.Model, mp.MixedPrecisionModel):
+        model = _float8_model(cls)
+        model.compile(keras.optimizers.SGD(0.01), "mse")
+        history = model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False).history
+        states.append(_float8_state(model))
+        norms = history.get("grad_norm")
+    stock, ours = states
+    assert set(stock) == set(ours) and "f8/inputs_scale" in ours and "f8/outputs_grad_amax_history" in ours
+    for path in stock:
+        np.testing.assert_allclose(ours[path], stock[path], rtol=1e-3, err_msg=path)
+    assert float(ours["f8/kernel_scale"].ravel()[0]) > 1e-5  # never divided by 2**15
+    # The logged norm leaves the state out (its history holds scaled values near 2**15).
+    assert 0 < norms[0] < 100
+
+
+# ------------------------------------------- your own train_step, stock's way
+def _own_step_class():
+    """A subclass whose train_step scales the loss and applies through
+    `self.optimizer`, as keras-io teaches on each backend."""
+    if BACKEND == "jax":
+        import jax
+
+        class OwnStep(mp.MixedPrecisionModel):
+            def train_step(self, state, data):
+                trainable, non_trainable, optimizer_vars, metrics_vars = state
+                x, y = data
+
+                def scaled_loss(values):
+                    y_pred, new_non_trainable = self.stateless_call(values, non_trainable, x, training=True)
+                    loss = keras.ops.mean((y_pred - y) ** 2)
+                    mapping = list(zip(self.optimizer.variables, optimizer_vars))
+                    with keras.StatelessScope(state_mapping=mapping):
+                        return self.optimizer.scale_loss(loss), (loss, new_non_trainable)
+
+                (_, (loss, non_trainable)), grads = jax.value_and_grad(scaled_loss, has_aux=True)(trainable)
+                trainable, optimizer_vars = self.optimizer.stateless_apply(optimizer_vars, grads, trainable)
+                return {"own_loss": loss}, (trainable, non_trainable, optimizer_vars, metrics_vars)
+
+    elif BACKEND == "torch":
+
+        class OwnStep(mp.MixedPrecisionModel):
+            def train_step(self, data):
+                x, y = data
+                self.zero_grad()
+                loss = keras.ops.mean((self(x, training=True) - y) ** 2)
+                self.optimizer.scale_loss(loss).backward()
+                weights = self.trainable_weights
+                self.optimizer.apply([w.value.grad for w in weights], weights)
+                return {"own_loss": loss}
+
+    else:
+        import tensorflow as tf
+
+        class OwnStep(mp.MixedPrecisionModel):
+            def train_step(self, data):
+                x, y = data
+                with tf.GradientTape() as tape:
+                    loss = keras.ops.mean((self(x, training=True) - y) ** 2)
+                    scaled = self.optimizer.scale_loss(loss)
+                grads = tape.gradient(scaled, self.trainable_variables)
+                self.optimizer.apply(grads, self.trainable_variables)
+                return {"own_loss": loss}
+
+    return OwnStep
+
+
+def test_your_own_step_through_the_optimizer_reports_the_scale_that_moved():
+    keras.config.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    model = _own_step_class()(inputs, keras.layers.Dense(1, dtype="float32")(keras.layers.Dense(3)(inputs)))
+    model.compile(keras.optimizers.SGD(0.01))
+    before = [np.array(w) for w in model.get_weights()]
+    x = np.full((8, 4), 1e4, "float32")  # its float16 gradients overflow at 2**15
+    monitor = mp.LossScaleMonitor()
+    history = model.fit(x, np.ones((8, 1), "float32"), batch_size=8, verbose=0, callbacks=[monitor]).history
+    # The optimizer that scaled the loss backed off; everyone says so.
+    assert model.optimizer.get_scale() == 2.0**14
+    assert model.get_scale() == 2.0**14 and model.scaler.get_scale() == 2.0**14
+    assert history["loss_scale"] == [2.0**14] and monitor.history[-1]["loss_scale"] == 2.0**14
+    assert history["skipped_steps"] == [1.0]
+    for old, new in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(new, old)
