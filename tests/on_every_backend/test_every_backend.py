@@ -121,3 +121,22 @@ def test_your_own_step_through_the_optimizer_reports_the_scale_that_moved():
     assert history["skipped_steps"] == [1.0]
     for old, new in zip(before, model.get_weights()):
         np.testing.assert_array_equal(new, old)
+
+
+# -------------------------------------------------- nothing outlives a trial
+def test_a_dropped_model_and_its_optimizer_are_freed_as_in_a_search():
+    # keras-tuner's trials: build, compile, fit, drop, clear_session. What
+    # the step keeps (compiled updates, buffers) must die with the model.
+    import gc
+    import weakref
+
+    keras.config.set_dtype_policy("float32")
+    inputs = keras.Input((4,))
+    model = mp.MixedPrecisionModel(inputs, keras.layers.Dense(1)(keras.layers.Dense(8)(inputs)))
+    model.compile("adam", "mse")
+    model.fit(np.ones((16, 4), "float32"), np.ones((16, 1), "float32"), batch_size=8, verbose=0)
+    dropped = [weakref.ref(model), weakref.ref(model.optimizer)]
+    del model, inputs
+    keras.backend.clear_session()
+    gc.collect()
+    assert [ref() is None for ref in dropped] == [True, True]

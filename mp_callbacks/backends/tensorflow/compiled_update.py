@@ -138,8 +138,14 @@ def compiled_update_function(optimizer: Any, variables: Sequence[Any]) -> Any:
     its products held out of contraction (design notes and tests read its
     compiled form)."""
     variables = list(variables)
+    # Weakly: the function is kept per optimizer (`_FUNCTIONS`, weak keys),
+    # and a strong reference from it would keep the optimizer, its slots and
+    # its model's variables alive after the model is gone (a search's trials).
+    optimizer_ref = weakref.ref(optimizer)
 
     def update(decision: tf.Tensor, grads: list[tf.Tensor]) -> None:
+        optimizer = optimizer_ref()
+
         def applied() -> None:
             graph = tf.compat.v1.get_default_graph()
             first_op = len(graph.get_operations())
