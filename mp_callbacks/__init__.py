@@ -32,9 +32,6 @@ from mp_callbacks.errors import (
     NonFiniteGradientError,
     UnsupportedArgumentError,
 )
-from mp_callbacks.errors import (
-    tensorflow_only as _tensorflow_only,
-)
 
 if BACKEND == "tensorflow":
     from mp_callbacks.autotune import autotune
@@ -84,23 +81,6 @@ else:  # torch
 
 __version__ = _package_version()
 
-#: Public names that run on TensorFlow only, for now (none: every public
-#: name runs on every backend; each raises BackendNotSupportedError, naming
-#: the backend, where it does not).
-TENSORFLOW_ONLY: tuple[str, ...] = ()
-
-
-def __getattr__(name: str):
-    if name in TENSORFLOW_ONLY:
-        raise _tensorflow_only(name, BACKEND)
-    if BACKEND != "tensorflow":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    # Deprecated spellings, with a warning.
-    from mp_callbacks.loss_scale import renamed
-
-    return renamed(name, __name__)
-
-
 __all__ = [
     "BACKEND",
     "LOG_KEYS",
@@ -129,5 +109,3 @@ __all__ = [
     "recommend_policy",
     "with_float32_layers",
 ]
-if BACKEND != "tensorflow":  # `import *` takes only what runs here
-    __all__ = [name for name in __all__ if name not in TENSORFLOW_ONLY]

@@ -8,7 +8,6 @@ import threading
 from typing import Any
 
 from mp_callbacks._backend import BACKEND, BATCH_END_NAMES_FIRST_STEP, keras
-from mp_callbacks._loss_scale_source import LossScaleSource
 
 __all__ = ["MixedPrecisionCallback"]
 
@@ -80,6 +79,3 @@ class MixedPrecisionCallback(keras.callbacks.Callback):
         (`async_safe = False`); a no-op on TensorFlow."""
         if BACKEND == "jax":
             _ = self.model
-
-    def _loss_scale_source(self) -> LossScaleSource:
-        return LossScaleSource.of(self.model)

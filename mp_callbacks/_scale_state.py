@@ -190,12 +190,6 @@ STATE_VARIABLES = (
     ),
 )
 COUNTERS = tuple(v.name for v in STATE_VARIABLES if v.dtype == COUNTER_DTYPE)
-# Names used by earlier releases in saved weights.
-LEGACY_NAMES = {
-    "skipped_count": "skipped_steps",
-    "nonfinite_loss_count": "nonfinite_loss_steps",
-    "divergent_count": "divergent_steps",
-}
 
 
 def initial_values(settings: ScaleSettings) -> dict[str, Any]:
@@ -294,11 +288,9 @@ def _valid_counter(value: np.ndarray) -> bool:
 
 
 def validated_updates(variables: dict[str, Any], state: dict[str, Any]) -> list[tuple[Any, Any]]:
-    """(variable, value) pairs that restore `state` (earlier releases' key
-    names too), all checked before any is assigned: keys that are unknown
+    """(variable, value) pairs that restore `state`, all checked before any is assigned: keys that are unknown
     or of another shape are ignored; a scale that is not a finite number
     > 0, or a counter that is not a non-negative integer, raises."""
-    state = {LEGACY_NAMES.get(k, k): v for k, v in state.items()}
     updates = []
     for key, variable in variables.items():
         if key not in state:

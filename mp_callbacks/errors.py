@@ -24,15 +24,6 @@ class BackendNotSupportedError(NotImplementedError):
     have yet; the message names the backend and the alternative."""
 
 
-def tensorflow_only(name: str, backend: str) -> BackendNotSupportedError:
-    """The error for a feature that runs on TensorFlow only, for now."""
-    return BackendNotSupportedError(
-        f"mp_callbacks.{name} runs on Keras's TensorFlow backend only, for now; Keras is "
-        f"running on {backend!r}. The rest of mp_callbacks runs there (the backends page of "
-        f"the docs lists what runs where); for {name}, set KERAS_BACKEND=tensorflow."
-    )
-
-
 class NonFiniteGradientError(RuntimeError):
     """Training diverged: gradients (or the loss) stayed non-finite.
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -538,27 +537,6 @@ class LossScaler(ScaleConfig, tf.Module):
         """
         for variable, value in _scale_state.validated_updates(self._state_variables(), state):
             variable.assign(value)
-
-
-# Models saved before the rename name the class by its old registered name.
-keras.saving.get_custom_objects()["mp_callbacks>DynamicLossScale"] = LossScaler
-
-
-def renamed(name: str, module: str, stacklevel: int = 3) -> Any:
-    """The class behind a name this module used to have, with a DeprecationWarning."""
-    if name == "DynamicLossScale":
-        warnings.warn(
-            "mp_callbacks.DynamicLossScale is now mp_callbacks.LossScaler (the same class); "
-            "the old name will be removed in 0.2.",
-            DeprecationWarning,
-            stacklevel=stacklevel,
-        )
-        return LossScaler
-    raise AttributeError(f"module {module!r} has no attribute {name!r}")
-
-
-def __getattr__(name: str) -> Any:
-    return renamed(name, __name__)
 
 
 def loss_scale_from_argument(value: Any, owner: str = "MixedPrecisionModel") -> LossScaler | None:

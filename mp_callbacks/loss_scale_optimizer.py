@@ -500,7 +500,4 @@ class LossScaleOptimizer(ScaleOptimizerAttributes, DelegatedCheckpoint, keras.op
         if self._saved_as_inner:
             keras.optimizers.Optimizer.load_own_variables(self, store)
             return
-        prefix = "mp_loss_scale."  # earlier releases' key names
-        self.scaler.set_state(
-            {key[len(prefix) :] if key.startswith(prefix) else key: store[key] for key in store.keys()}
-        )
+        self.scaler.set_state({key: store[key] for key in store.keys()})

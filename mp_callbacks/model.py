@@ -366,10 +366,6 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
             return LossScaler()
         return LossScaler.disabled()
 
-    def _inner_optimizer(self) -> Any:
-        optimizer = self.optimizer
-        return optimizer.inner_optimizer if isinstance(optimizer, LossScaleOptimizer) else optimizer
-
     def _overrides_train_step(self) -> bool:
         return type(self).train_step is not MixedPrecisionModel.train_step
 
@@ -719,16 +715,6 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
             saveable = LossScaleSaveable(lambda: self._loss_scale)
             self.__dict__["_mp_loss_scale_saveable"] = saveable
         return saveable
-
-    def load_own_variables(self, store: Any) -> None:
-        # Weights written by earlier releases kept the loss scale among the
-        # model's own entries, under this prefix.
-        prefix = "mp_loss_scale."
-        keys = list(store.keys())
-        legacy = {k[len(prefix) :]: store[k] for k in keys if k.startswith(prefix)}
-        super().load_own_variables({k: store[k] for k in keys if not k.startswith(prefix)})
-        if legacy and self._loss_scale is not None:
-            self._loss_scale.set_state(legacy)
 
     def load_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
         """As `keras.Model.load_weights`, but all or nothing: if loading

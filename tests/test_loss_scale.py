@@ -368,28 +368,6 @@ def test_config_round_trip_and_keras_serialization():
     assert revived.get_config() == original.get_config()
 
 
-def test_a_config_saved_under_the_old_name_loads_and_the_old_name_warns():
-    import warnings
-
-    import mp_callbacks
-
-    saved = {
-        "module": "mp_callbacks.loss_scale",
-        "class_name": "DynamicLossScale",
-        "config": {"initial_scale": 64.0, "growth_interval": 3},
-        "registered_name": "mp_callbacks>DynamicLossScale",
-    }
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # loading an old file is not deprecated
-        revived = keras.saving.deserialize_keras_object(saved)
-    assert type(revived) is LossScaler
-    assert (revived.initial_scale, revived.growth_interval) == (64.0, 3)
-    with pytest.warns(DeprecationWarning, match="now mp_callbacks.LossScaler"):
-        assert mp_callbacks.DynamicLossScale is LossScaler
-    with pytest.raises(AttributeError, match="no attribute 'LossScale'"):
-        mp_callbacks.LossScale  # noqa: B018
-
-
 def test_tf_checkpoint_round_trip(tmp_path):
     loss_scale = LossScaler(initial_scale=1024.0)
     variable = tf.Variable([0.0, 0.0])

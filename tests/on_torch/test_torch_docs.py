@@ -37,7 +37,6 @@ def test_the_pytorch_page_runs_and_prints_what_it_says(capsys):
 
 
 def test_the_backends_table_names_what_does_not_run_on_torch_as_the_library_does():
-    import mp_callbacks as mp
 
     cells = [
         line.split("|") for line in (GUIDE / "backends.md").read_text().splitlines() if line.startswith("|")
@@ -45,5 +44,4 @@ def test_the_backends_table_names_what_does_not_run_on_torch_as_the_library_does
     assert cells[0][4].strip() == "PyTorch"
     not_yet = [row for row in cells if len(row) > 4 and "not yet" in row[4]]
     named = {name for row in not_yet for name in re.findall(r"`([A-Za-z_]+)`", row[1])[:1]}
-    assert named == set(mp.TENSORFLOW_ONLY)
-    assert not_yet == []
+    assert named == set() and not_yet == []

@@ -229,9 +229,9 @@ class VariableScaleModel(keras.Model):
 
     def _scale_variables(self) -> dict[str, Any]:
         """The state variables of the scale in use (an own step's optimizer's, once built)."""
-        optimizer = getattr(self, "optimizer", None)
+        optimizer: Any = getattr(self, "optimizer", None)
         if self._optimizer_scaler() is not None and optimizer.built:
-            return optimizer._mp_state
+            return dict(optimizer._mp_state)
         return self._mp_state
 
     @property
@@ -363,7 +363,7 @@ class VariableScaleModel(keras.Model):
             if self._mp_chosen_by != "user":
                 self._adopt(_DYNAMIC if self._computes_in_float16() else _DISABLED)
                 self._mp_chosen_by = "auto"
-            stock = self.optimizer
+            stock: Any = getattr(self, "optimizer", None)
             if isinstance(stock, keras.optimizers.LossScaleOptimizer) and not isinstance(
                 getattr(stock, "scaler", None), LossScaler
             ):

@@ -144,7 +144,7 @@ def compiled_update_function(optimizer: Any, variables: Sequence[Any]) -> Any:
     optimizer_ref = weakref.ref(optimizer)
 
     def update(decision: tf.Tensor, grads: list[tf.Tensor]) -> None:
-        optimizer = optimizer_ref()
+        optimizer: Any = optimizer_ref()  # alive: it is tracing this call
 
         def applied() -> None:
             graph = tf.compat.v1.get_default_graph()
