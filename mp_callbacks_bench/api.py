@@ -180,6 +180,7 @@ def run_bench(
     test_samples: int | None = None,
     repeats: int | None = None,
     quick: bool = False,
+    stop_early: bool | None = None,
     force: bool = False,
     probe: bool = True,
     quiet: bool = True,
@@ -198,8 +199,11 @@ def run_bench(
             with `x_train`, `y_train`, `x_test`, `y_test`.
         epochs, batch_size, seed, train_samples, test_samples: the training.
         repeats: runs per policy, alternating; each policy's best counts.
-        quick: the `--quick` preset (cnn, 8,000 samples, 4 epochs, 2 runs)
-            for whatever is not given.
+        quick: the `--quick` preset (cnn, 8,000 samples, 4 epochs, 2 runs,
+            `stop_early`) for whatever is not given.
+        stop_early: stop a mixed policy after its first epoch when, even
+            1.5x faster than its warm steps ran, it would be slower than
+            float32 (default: with `quick` only); its row says so.
         force: run policies the probe found pathologically slow.
         probe: measure each policy's speed first (seconds); False judges
             from the hardware's features alone.
@@ -249,6 +253,7 @@ def run_bench(
         repeats=repeats or preset.get("repeats", 1),
         max_repeats=None if repeats else preset.get("max_repeats"),
         quiet=quiet,
+        stop_early=preset.get("stop_early", False) if stop_early is None else stop_early,
     )
     data_description = _check_inputs(settings)
     # Notes come after the inputs are checked: a bad input stays one line.

@@ -125,7 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--quick",
         action="store_true",
         help="a preset of about a minute and a half on 2 CPU cores: cnn, 8,000 "
-        "images, 4 epochs, 2 alternating runs per policy",
+        "images, 4 epochs, 2 alternating runs per policy, --stop-early",
+    )
+    bench.add_argument(
+        "--stop-early",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="stop a mixed policy after its first epoch when, even 1.5x faster than its "
+        "warm steps ran, it would be slower than float32 (default: with --quick only)",
     )
     bench.add_argument(
         "--force", action="store_true", help="run policies the probe measures as emulated (very slow)"
@@ -336,6 +343,7 @@ def _bench(args: argparse.Namespace) -> int:
         train_samples=args.train_samples,
         repeats=args.repeats,
         quick=args.quick,
+        stop_early=args.stop_early,
         force=args.force,
         probe=not args.no_probe,
         quiet=args.quiet,

@@ -135,6 +135,8 @@ def verdict(results: Sequence[dict[str, Any]]) -> tuple[str | None, str]:
                 f"{policy} ran at {low:.2f}x to {high:.2f}x float32's speed over {paired.rounds} "
                 f"alternating runs: {'slower' if paired.verdict == 'slower' else 'a tie'}"
             )
+        elif result.get("stopped_early"):
+            objections.append(f"{policy} {result['stopped_early']}")
         elif speedup < MIN_SPEEDUP:
             slower = " (slower)" if speedup < 1.0 else ""
             objections.append(f"{policy} ran at {speedup:.2f}x float32's speed{slower}")

@@ -16,7 +16,9 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict
+import time
+from collections.abc import Callable
+from dataclasses import asdict, replace
 from typing import Any
 
 import keras
@@ -25,7 +27,7 @@ import mp_callbacks  # noqa: F401  (checks Keras's backend before Keras loads)
 from mp_callbacks_bench._native_stderr import is_startup_noise
 from mp_callbacks_bench.settings import BenchError, BenchSettings
 
-__all__ = ["compare", "run_in_subprocess", "run_policy"]
+__all__ = ["HOPELESS_MARGIN", "EarlyVerdict", "compare", "run_in_subprocess", "run_policy"]
 
 logger = logging.getLogger("mp_callbacks_bench")
 
@@ -99,6 +101,60 @@ class _ProgressLine(keras.callbacks.Callback):
         )
 
 
+#: A policy stops early only if, even this many times faster than its first
+#: epoch's warm steps ran, it would still be slower than float32. Epochs
+#: vary by up to 30 % on a shared 2-core machine; 1.5 leaves room for that.
+HOPELESS_MARGIN = 1.5
+
+
+class EarlyVerdict(keras.callbacks.Callback):
+    """Stops a mixed policy's training after its first epoch when its
+    verdict is already certain: the steps of the epoch's second half (traced
+    and warm), even `margin` times faster, would give an epoch slower than
+    float32's `baseline_epoch_time`. `estimate` (its epoch time at the rate
+    of those steps) and `reason` are set when it stops. Only timestamps are
+    taken per batch: no tensor is read."""
+
+    def __init__(
+        self,
+        baseline_epoch_time: float,
+        margin: float = HOPELESS_MARGIN,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        super().__init__()
+        self.baseline_epoch_time = baseline_epoch_time
+        self.margin = margin
+        self.clock = clock
+        self.estimate: float | None = None
+        self.reason: str | None = None
+        self._batch_ends: list[float] = []
+        self._epoch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self._batch_ends = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._epoch == 0:
+            self._batch_ends.append(self.clock())
+
+    def on_epoch_end(self, epoch, logs=None):
+        ends = self._batch_ends
+        if epoch != 0 or len(ends) < 4:
+            return  # too few steps to time warm ones apart from the first
+        half = len(ends) // 2
+        per_step = (ends[-1] - ends[half]) / (len(ends) - 1 - half)
+        estimate = per_step * len(ends)
+        if estimate / self.margin <= self.baseline_epoch_time:
+            return
+        self.estimate = estimate
+        self.reason = (
+            f"stopped after its first epoch: its warm steps ran at {self.baseline_epoch_time / estimate:.2f}x "
+            f"float32's speed, and even {self.margin:g}x faster it would not tie"
+        )
+        self.model.stop_training = True
+
+
 def run_policy(policy: str, settings: BenchSettings) -> dict[str, Any]:
     """Trains the benchmark model under `policy` in this process and
     returns its result row."""
@@ -117,6 +173,10 @@ def run_policy(policy: str, settings: BenchSettings) -> dict[str, Any]:
     scale_monitor = mp.LossScaleMonitor()
     nan_monitor = mp.NaNGradientMonitor(action="stop")
     callbacks: list[keras.callbacks.Callback] = [scale_monitor, nan_monitor, timer]
+    early = None
+    if settings.stop_early and settings.baseline_epoch_time and policy != "float32":
+        early = EarlyVerdict(settings.baseline_epoch_time)
+        callbacks.append(early)
     if not settings.quiet:
         callbacks.append(_ProgressLine(policy))
     history = model.fit(
@@ -132,11 +192,19 @@ def run_policy(policy: str, settings: BenchSettings) -> dict[str, Any]:
     )
     summary = timer.summary()
     accuracy = evaluation.get("accuracy", evaluation.get("sparse_categorical_accuracy"))
+    epoch_time, samples_per_sec = summary["median_epoch_time"], summary["median_samples_per_sec"]
+    stopped_early = None if early is None or early.estimate is None else early.reason
+    if early is not None and early.estimate is not None:
+        # The first epoch includes tracing: its warm steps' rate stands for the policy.
+        samples_per_sec = samples_per_sec * epoch_time / early.estimate if samples_per_sec else None
+        epoch_time = early.estimate
+        logger.warning("[%s] %s", policy, stopped_early)
     return {
         "policy": policy,
-        "epoch_time": summary["median_epoch_time"],
+        "epoch_time": epoch_time,
         "first_epoch_time": summary["first_epoch_time"],
-        "samples_per_sec": summary["median_samples_per_sec"],
+        "samples_per_sec": samples_per_sec,
+        "stopped_early": stopped_early,
         "speedup": None,
         "peak_memory_mb": _peak_memory_mb(),
         "memory_kind": "device peak" if _on_gpu() else "process peak RSS",
@@ -224,15 +292,24 @@ def compare(
             break  # more runs would not change the verdict
         order = settings.policies if repeat % 2 == 0 else settings.policies[::-1]
         for policy in order:
-            if policy not in runs:
-                continue  # failed earlier
+            if policy not in runs or any(r.get("stopped_early") for r in runs[policy]):
+                continue  # failed earlier, or its verdict is certain
             if not settings.quiet:
                 run = f" (run {repeat + 1}/{settings.repeats})" if settings.repeats > 1 else ""
                 if repeat >= settings.repeats:
                     run = f" (run {repeat + 1}: the runs so far do not separate)"
                 logger.info("[%s] training %s%s ...", policy, settings.model, run)
+            float32_runs = runs.get("float32") or []
+            asked = settings
+            if (
+                settings.stop_early
+                and policy != "float32"
+                and float32_runs
+                and float32_runs[0].get("epoch_time")
+            ):
+                asked = replace(settings, baseline_epoch_time=float32_runs[0]["epoch_time"])
             try:
-                runs[policy].append(runner(policy, settings))
+                runs[policy].append(runner(policy, asked))
             except Exception as error:
                 if policy == "float32":
                     raise
@@ -269,7 +346,7 @@ def _separated(runs: dict[str, list[dict[str, Any]]]) -> bool:
 
     baseline = [r["epoch_time"] for r in runs.get("float32", [])]
     for policy, policy_runs in runs.items():
-        if policy == "float32" or not baseline:
+        if policy == "float32" or not baseline or any(r.get("stopped_early") for r in policy_runs):
             continue
         ratios = [b / r["epoch_time"] for b, r in zip(baseline, policy_runs) if r["epoch_time"]]
         if not SpeedComparison(ratios).decided:

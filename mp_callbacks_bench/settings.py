@@ -42,6 +42,11 @@ class BenchSettings:
     # More alternating runs, up to this many, while the runs do not separate.
     max_repeats: int | None = None
     quiet: bool = False
+    # Stop a mixed policy after its first epoch once it cannot tie float32
+    # (`runner.EarlyVerdict`); its row then says so.
+    stop_early: bool = False
+    # float32's epoch time, for that rule (set by `compare`, not by users).
+    baseline_epoch_time: float | None = None
 
 
 class Preset(TypedDict, total=False):
@@ -54,6 +59,7 @@ class Preset(TypedDict, total=False):
     repeats: int
     max_repeats: int
     steps: int
+    stop_early: bool
 
 
 # A preset that finishes in about a minute and a half on 2 CPU cores: the
@@ -67,4 +73,8 @@ QUICK: Preset = {
     "test_samples": 2000,
     "repeats": 2,
     "max_repeats": 4,
+    # A policy many times slower than float32 (bfloat16 on a CPU without
+    # AVX512-BF16 runs at 0.13-0.16x) would take most of the preset's time
+    # to say what its first epoch already shows.
+    "stop_early": True,
 }

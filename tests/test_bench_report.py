@@ -205,3 +205,66 @@ def test_without_a_probe_float16_on_a_cpu_without_it_is_not_run():
     assert skipped[0]["policy"] == "mixed_float16" and "--no-probe" in skipped[0]["reason"]
     with_fp16 = _hardware(cpu=CpuInfo("x", "aarch64", frozenset({"asimdhp"}), "/proc/cpuinfo"))
     assert choose_policies(None, with_fp16) == (list(POLICIES), [])
+
+
+# ------------------------------------------------------------- stopping early
+def _timed_first_epoch(seconds_per_step, steps=20, trace=3.0, baseline=1.0):
+    """EarlyVerdict over one first epoch whose steps take `seconds_per_step`
+    after a first step of `trace` seconds (injected clock, no training)."""
+    import keras
+
+    from mp_callbacks_bench.runner import EarlyVerdict
+
+    clock = iter([trace + i * seconds_per_step for i in range(steps)])
+    early = EarlyVerdict(baseline_epoch_time=baseline, clock=lambda: next(clock))
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    early.set_model(model)
+    early.on_epoch_begin(0)
+    for step in range(steps):
+        early.on_train_batch_end(step)
+    early.on_epoch_end(0)
+    return early, model
+
+
+def test_a_policy_that_cannot_tie_float32_stops_after_its_first_epoch():
+    # Warm steps at 0.16x float32's speed (bfloat16 on an AMD EPYC without
+    # AVX-512): 20 steps of 0.3125 s = 6.25 s an epoch against float32's 1 s.
+    early, model = _timed_first_epoch(0.3125)
+    assert model.stop_training is True
+    assert early.estimate == pytest.approx(6.25)
+    assert "0.16x float32's speed" in early.reason and "would not tie" in early.reason
+
+
+@pytest.mark.parametrize("seconds_per_step", [0.05, 0.07])
+def test_a_policy_within_the_margin_or_faster_trains_on(seconds_per_step):
+    # 1.4 s an epoch: 1.5x faster it would beat float32's 1 s, so it runs on;
+    # the slow traced first step is not counted against it.
+    early, model = _timed_first_epoch(seconds_per_step, trace=30.0)
+    assert not getattr(model, "stop_training", False) and early.reason is None
+
+
+def test_quick_compare_runs_a_hopeless_policy_once_and_says_why():
+    from mp_callbacks_bench.runner import compare
+    from mp_callbacks_bench.settings import QUICK, BenchSettings
+
+    asked = []
+
+    def runner(policy, settings):
+        asked.append((policy, settings.baseline_epoch_time))
+        if policy == "float32":
+            return _row("float32", 1.0, 0.97)
+        reason = "stopped after its first epoch: its warm steps ran at 0.16x float32's speed"
+        return _row(policy, 6.25, 0.90, stopped_early=reason)
+
+    settings = BenchSettings(
+        policies=["float32", "mixed_bfloat16"],
+        repeats=QUICK["repeats"],
+        max_repeats=QUICK["max_repeats"],
+        stop_early=QUICK["stop_early"],
+        quiet=True,
+    )
+    results = compare(settings, runner=runner)
+    # float32 twice (its runs are the baseline); bfloat16 once, told float32's time.
+    assert asked == [("float32", None), ("mixed_bfloat16", 1.0), ("float32", None)]
+    policy, why = verdict(results)
+    assert policy == "float32" and "mixed_bfloat16 stopped after its first epoch" in why
