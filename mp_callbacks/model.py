@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mp_callbacks._backend import keras, tf
+from mp_callbacks._float8 import repair_amax_histories
 from mp_callbacks._keras_internals import (
     LossScaleSaveable,
     MultiWorkerSymbolicBuild,
@@ -517,6 +518,13 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
             self.compile(**keras.saving.deserialize_keras_object(config))
         finally:
             self._loading = False
+
+    def fit(self, *args: Any, **kwargs: Any) -> Any:
+        """As `keras.Model.fit`; a float8 layer's amax history that holds
+        inf or NaN (a checkpoint of a run that diverged) is repaired first,
+        with a warning naming it (`_float8.repair_amax_histories`)."""
+        repair_amax_histories(self)
+        return super().fit(*args, **kwargs)
 
     def make_train_function(self, force: bool = False):
         if self._loss_scale is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import keras
 import numpy as np
+import pytest
 
 import mp_callbacks as mp
 
@@ -140,3 +141,28 @@ def test_a_dropped_model_and_its_optimizer_are_freed_as_in_a_search():
     keras.backend.clear_session()
     gc.collect()
     assert [ref() is None for ref in dropped] == [True, True]
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
+def test_no_inf_or_nan_enters_a_float8_history_and_one_written_in_is_repaired_at_fit(policy):
+    keras.config.set_dtype_policy(policy)
+    model = _float8_model(mp.MixedPrecisionModel)
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    x, y = np.ones((16, 8), "float32"), np.ones((16, 2), "float32")
+    model.fit(x, y, batch_size=8, verbose=0)
+    before = _float8_state(model)
+    x[:8] = np.nan  # the first step's gradients, and so its new amax values, are NaN
+    history = model.fit(x, y, batch_size=8, verbose=0, shuffle=False).history
+    assert history["skipped_steps"] == [1.0]
+    after = _float8_state(model)
+    assert all(np.isfinite(value).all() for value in after.values())
+    history_path = "f8/inputs_amax_history"
+    assert not np.array_equal(after[history_path], before[history_path])  # the good step wrote it
+    # A checkpoint of a run that diverged elsewhere carries a NaN in.
+    variable = next(v for v in model.variables if v.path == history_path)
+    poisoned = np.array(variable.numpy())
+    poisoned[3] = np.nan
+    variable.assign(poisoned)
+    with pytest.warns(mp.MixedPrecisionWarning, match=history_path):
+        model.fit(x[8:], y[8:], batch_size=8, verbose=0)
+    assert np.isfinite(np.array(variable.numpy())).all()

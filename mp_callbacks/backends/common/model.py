@@ -18,6 +18,7 @@ import numpy as np
 
 from mp_callbacks import _loss_scale_argument, _scale_state
 from mp_callbacks._backend import keras
+from mp_callbacks._float8 import repair_amax_histories
 from mp_callbacks._keras_internals import (
     LossScaleSaveable,
     all_layers,
@@ -432,6 +433,13 @@ class VariableScaleModel(keras.Model):
             self.compile(**keras.saving.deserialize_keras_object(config))
         finally:
             self.__dict__["_mp_loading"] = False
+
+    def fit(self, *args: Any, **kwargs: Any) -> Any:
+        """As `keras.Model.fit`; a float8 layer's amax history that holds
+        inf or NaN (a checkpoint of a run that diverged) is repaired first,
+        with a warning naming it (`_float8.repair_amax_histories`)."""
+        repair_amax_histories(self)
+        return super().fit(*args, **kwargs)
 
     def make_train_function(self, force: bool = False):
         if self._mp_settings is None:
