@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from mp_callbacks._samples import from_entries, sample_count, take
+
 __all__ = ["CandidateSpec", "LocalCandidate", "ProcessCandidate", "build_model", "load_function"]
 
 
@@ -123,13 +125,16 @@ class Trainer:
         self.model = model
         if weights is not None:
             model.set_weights(weights)
-        x, y = data["x_train"], data["y_train"]
-        tensor = keras.ops.convert_to_tensor
+        x, y = from_entries("x_train", data), data["y_train"]
+
+        def tensor(value: Any) -> Any:
+            return keras.tree.map_structure(keras.ops.convert_to_tensor, value)
+
         self.batches = [
-            (tensor(x[i : i + batch_size]), tensor(y[i : i + batch_size]))
-            for i in range(0, len(x) - batch_size + 1, batch_size)
+            (tensor(take(x, slice(i, i + batch_size))), tensor(y[i : i + batch_size]))
+            for i in range(0, sample_count(x) - batch_size + 1, batch_size)
         ] or [(tensor(x), tensor(y))]
-        self.validation = (data["x_val"], data["y_val"])
+        self.validation = (from_entries("x_val", data), data["y_val"])
         self.batch_size = batch_size
         self.position = 0
         self.nonfinite_losses = 0

@@ -35,6 +35,7 @@ from mp_callbacks._candidate import (
     load_function,
 )
 from mp_callbacks._keras_internals import all_layers
+from mp_callbacks._samples import as_samples, sample_count, shapes, take, to_entries
 from mp_callbacks._validation import check_int, check_real, fail
 from mp_callbacks.hardware import POLICIES, inspect_hardware
 from mp_callbacks.layer_selection import select_float32_layers
@@ -237,8 +238,10 @@ def autotune(
             "path/to/file.py:function" naming one; or a model instance,
             which is copied under each policy (its layers with a policy of
             their own, such as a float32 head, keep it).
-        x: training inputs (a NumPy array): batches for the layer
-            diagnosis and for the proof run.
+        x: training inputs, as `fit` takes them: a NumPy array, or named
+            inputs (a dict of arrays, as KerasHub's text models take), or a
+            list of arrays; batches for the layer diagnosis and for the
+            proof run.
         y: training targets (a NumPy array). Defaults to None.
         validation_data: `(x_val, y_val)` for the proof's validation metric.
             Defaults to None: the last fifth of `x`, `y`.
@@ -297,8 +300,13 @@ def autotune(
             "(a function at the top of a module, 'module:function' or 'file.py:function')",
         )
     x_train, y_train, x_val, y_val = _split(x, y, validation_data)
-    if len(x_train) < batch_size:
-        fail(_OWNER, "x", f"{len(x_train)} training samples", f"at least batch_size ({batch_size}) samples")
+    if sample_count(x_train) < batch_size:
+        fail(
+            _OWNER,
+            "x",
+            f"{sample_count(x_train)} training samples",
+            f"at least batch_size ({batch_size}) samples",
+        )
     weights = _reference_weights(build_function, list(build_args), seed, x_train, y_train)
 
     if hardware is None:
@@ -306,8 +314,8 @@ def autotune(
     candidate_policies, notes = _candidate_policies(policies, hardware)
     n_diagnosis = min(_DIAGNOSIS_BATCH_SIZE, batch_size)
     diagnosis_batches = [
-        (x_train[i : i + n_diagnosis], y_train[i : i + n_diagnosis])
-        for i in range(0, min(len(x_train), _DIAGNOSIS_BATCHES * n_diagnosis), n_diagnosis)
+        (take(x_train, slice(i, i + n_diagnosis)), y_train[i : i + n_diagnosis])
+        for i in range(0, min(sample_count(x_train), _DIAGNOSIS_BATCHES * n_diagnosis), n_diagnosis)
     ]
     dropped: list[dict[str, Any]] = []  # candidates that could not run, and why
     evidence: list[dict[str, Any]] = [
@@ -367,12 +375,12 @@ def _reference_weights(
     keras.utils.set_random_seed(seed)
     reference_model = build_model(build_function, "float32", build_args, [], None)
     try:
-        reference_model.evaluate(x_train[:2], y_train[:2], verbose=0)
+        reference_model.evaluate(take(x_train, slice(None, 2)), y_train[:2], verbose=0)
     except Exception as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise ValueError(
             f"{_OWNER}: the model does not train on the data (x of shape "
-            f"{x_train.shape}, y of shape {np.shape(y_train)}): {type(error).__name__}: "
+            f"{shapes(x_train)}, y of shape {np.shape(y_train)}): {type(error).__name__}: "
             f"{first}"
         ) from error
     return reference_model.get_weights()
@@ -496,20 +504,22 @@ def _resolve_build(build: Any) -> tuple[str | None, Callable[..., Any]]:
     return _importable_target(build), build
 
 
-def _split(x: Any, y: Any, validation_data: Any) -> tuple[np.ndarray, ...]:
+def _split(x: Any, y: Any, validation_data: Any) -> tuple[Any, ...]:
+    """x and y for training and for validation; x may be named inputs (a
+    dict of arrays, as KerasHub's text models take) or a list of arrays."""
     if y is None:
         fail(_OWNER, "y", y, "the training targets (NumPy arrays)")
-    x, y = np.asarray(x), np.asarray(y)
-    if len(x) != len(y):
-        fail(_OWNER, "y", f"{len(y)} samples", f"as many samples as x ({len(x)})")
+    x, y = as_samples(_OWNER, "x", x), np.asarray(y)
+    if sample_count(x) != len(y):
+        fail(_OWNER, "y", f"{len(y)} samples", f"as many samples as x ({sample_count(x)})")
     if validation_data is not None:
         if not isinstance(validation_data, (tuple, list)) or len(validation_data) != 2:
             fail(
                 _OWNER, "validation_data", type(validation_data).__name__, "an (x_val, y_val) pair", TypeError
             )
-        return x, y, np.asarray(validation_data[0]), np.asarray(validation_data[1])
-    cut = max(1, len(x) // 5)
-    return x[:-cut], y[:-cut], x[-cut:], y[-cut:]
+        return x, y, as_samples(_OWNER, "validation_data", validation_data[0]), np.asarray(validation_data[1])
+    cut = max(1, sample_count(x) // 5)
+    return take(x, slice(None, -cut)), y[:-cut], take(x, slice(-cut, None)), y[-cut:]
 
 
 def _layer_dtypes(model: keras.Model, policy: str, pinned: list[str]) -> dict[str, str]:
@@ -583,7 +593,7 @@ def _prove(
     validation results to `evidence`; a mixed candidate that fails to
     train moves from `evidence` to `dropped`. Returns True if interrupted."""
     x_train, y_train, x_val, y_val = data
-    per_epoch = max(1, len(x_train) // batch_size)
+    per_epoch = max(1, sample_count(x_train) // batch_size)
     steps = steps or max(_MIN_ROUNDS, min(200, 2 * per_epoch))
     chunk = max(1, min(20, steps // 10))
     max_rounds = max(_MIN_ROUNDS, steps // chunk)
@@ -591,7 +601,13 @@ def _prove(
     with tempfile.TemporaryDirectory() as directory:
         data_path = os.path.join(directory, "data.npz")
         weights_path = os.path.join(directory, "weights.npz")
-        np.savez(data_path, x_train=x_train, y_train=y_train, x_val=x_val, y_val=y_val)
+        arrays: dict[str, Any] = {
+            **to_entries("x_train", x_train),
+            "y_train": y_train,
+            **to_entries("x_val", x_val),
+            "y_val": y_val,
+        }
+        np.savez(data_path, **arrays)
         np.savez(weights_path, *weights)  # arr_0, arr_1, ... in order
         try:
             for candidate in evidence:

@@ -93,11 +93,24 @@ def test_the_layer_that_overflows_and_no_other_is_pinned_and_the_plan_trains():
     assert history["skipped_steps"] == [0.0] and tuned.scaler.initial_scale == plan.initial_scale
 
 
-def test_a_healthy_model_gets_no_pinned_layer():
-    x, y = _data()
-    plan = mp.autotune(
-        healthy_model, x, y, policies=["mixed_bfloat16"], steps=10, batch_size=32, in_subprocess=False
+def named_inputs_model():
+    """Named inputs, as KerasHub's text models take them (a dict)."""
+    features = keras.Input((FEATURES,), name="features")
+    mask = keras.Input((FEATURES,), name="mask")
+    hidden = keras.layers.Dense(16, activation="relu", name="dense")(
+        keras.layers.Multiply()([features, mask])
     )
+    outputs = keras.layers.Dense(CLASSES, activation="softmax", dtype="float32", name="head")(hidden)
+    return keras.Model({"features": features, "mask": mask}, outputs)
+
+
+@pytest.mark.parametrize("inputs", ["array", "named"])
+def test_a_healthy_model_gets_no_pinned_layer(inputs):
+    x, y = _data()
+    build = healthy_model
+    if inputs == "named":
+        x, build = {"features": x, "mask": np.ones_like(x)}, named_inputs_model
+    plan = mp.autotune(build, x, y, policies=["mixed_bfloat16"], steps=10, batch_size=32, in_subprocess=False)
     assert plan.policy == "mixed_bfloat16" and plan.float32_layers == []
     assert plan.initial_scale is None  # bfloat16 needs no loss scale
     assert [c["policy"] for c in plan.candidates] == ["float32", "mixed_bfloat16"]
@@ -219,6 +232,8 @@ def test_a_plan_round_trips_through_json_and_its_model_through_keras_files(tmp_p
         ({"batch_size": 0}, "batch_size"),
         ({"build": "nosuch:build"}, "build"),
         ({"y": None}, "y"),
+        ({"x": {"features": np.ones((64, FEATURES)), "mask": np.ones((63, FEATURES))}}, "x"),
+        ({"x": {"features": "text"}}, "x"),
     ],
 )
 def test_bad_arguments_are_named_before_any_training(kwargs, name):
