@@ -17,7 +17,11 @@ import numpy as np
 from mp_callbacks._backend import keras
 from mp_callbacks.errors import MixedPrecisionWarning
 
-__all__ = ["repair_amax_histories"]
+__all__ = ["gradient_state", "repair_amax_histories"]
+
+#: The float8 state that records *scaled* gradients under a loss scale:
+#: the output gradient's scale and amax history (E5M2).
+_GRADIENT_STATE = ("outputs_grad_scale", "outputs_grad_amax_history")
 
 
 def _amax_histories(model: Any) -> list[Any]:
@@ -25,6 +29,19 @@ def _amax_histories(model: Any) -> list[Any]:
         v
         for v in model.variables
         if getattr(v, "overwrite_with_gradient", False) and v.name.endswith("amax_history")
+    ]
+
+
+def gradient_state(variables: Any) -> list[int]:
+    """The positions in `variables` of float8 layers' output-gradient scale
+    and amax history: under a loss scale they hold values of the scaled
+    gradients, so when the scale changes by a factor they must follow it
+    (else, for up to 1024 steps, E5M2's scale is set from a maximum on the
+    old footing: a binade or more off, saturating or underflowing)."""
+    return [
+        i
+        for i, v in enumerate(variables)
+        if getattr(v, "overwrite_with_gradient", False) and v.name.endswith(_GRADIENT_STATE)
     ]
 
 

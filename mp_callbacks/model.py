@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mp_callbacks._backend import keras, tf
-from mp_callbacks._float8 import repair_amax_histories
+from mp_callbacks._float8 import gradient_state, repair_amax_histories
 from mp_callbacks._keras_internals import (
     LossScaleSaveable,
     MultiWorkerSymbolicBuild,
@@ -519,6 +519,20 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
         finally:
             self._loading = False
 
+    #: float8 layers' output-gradient scale and amax history follow the loss
+    #: scale when it changes (they hold scaled gradients' values); False
+    #: leaves them as stock Keras does, a binade or more off after a change.
+    float8_follows_loss_scale = True
+
+    def _float8_following_the_scale(self) -> list[Any]:
+        """The float8 state to rescale with the loss scale in this step."""
+        if not self.float8_follows_loss_scale or not self._loss_scale.scaling_active:
+            return []
+        if tf.distribute.has_strategy() and tf.distribute.get_strategy().num_replicas_in_sync > 1:
+            return []  # (each replica would write a mirrored variable)
+        variables = self.trainable_variables
+        return [variables[i] for i in gradient_state(variables)]
+
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         """As `keras.Model.fit`; a float8 layer's amax history that holds
         inf or NaN (a checkpoint of a run that diverged) is repaired first,
@@ -648,7 +662,13 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
         """Ends a recorded step: one state update, the forward pass's state
         put back if an update was skipped, and the step in the logs."""
         loss_scale = self._loss_scale
+        following = self._float8_following_the_scale()
+        scale_before = loss_scale.loss_scale if following else None
         loss_scale.finish_step(record)
+        if following:
+            ratio = loss_scale.loss_scale / scale_before
+            for variable in following:
+                variable.assign(variable * tf.cast(ratio, variable.dtype))
         standard = forward_state is None
         if not record.loss_scaled and not standard:
             self._warn_unscaled_step()

@@ -166,3 +166,26 @@ def test_no_inf_or_nan_enters_a_float8_history_and_one_written_in_is_repaired_at
     with pytest.warns(mp.MixedPrecisionWarning, match=history_path):
         model.fit(x[8:], y[8:], batch_size=8, verbose=0)
     assert np.isfinite(np.array(variable.numpy())).all()
+
+
+@pytest.mark.parametrize("follows", [True, False])
+def test_float8_gradient_state_follows_a_loss_scale_back_off(follows):
+    # The output-gradient scale and history hold scaled gradients' values:
+    # after the scale halves, they halve too (False: stock Keras's footing).
+    keras.config.set_dtype_policy("mixed_float16")
+    model = _float8_model(mp.MixedPrecisionModel)
+    model.float8_follows_loss_scale = follows
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    x = np.random.default_rng(0).normal(size=(16, 8)).astype("float32")
+    model.fit(x[:8], np.zeros((8, 2), "float32"), batch_size=8, verbose=0)
+    before = _float8_state(model)
+    # Targets of 1e4: the float16 layer's scaled gradient overflows; skipped.
+    history = model.fit(x[8:], np.full((8, 2), 1e4, "float32"), batch_size=8, verbose=0).history
+    assert history["skipped_steps"] == [1.0] and history["loss_scale"] == [2.0**14]
+    after = _float8_state(model)
+    factor = 0.5 if follows else 1.0
+    for name in ("f8/outputs_grad_scale", "f8/outputs_grad_amax_history"):
+        assert before[name].max() > 0
+        np.testing.assert_array_equal(after[name], before[name] * np.float32(factor), err_msg=name)
+    for name in ("f8/inputs_scale", "f8/kernel_amax_history"):  # not scaled: as they were
+        np.testing.assert_array_equal(after[name], before[name], err_msg=name)

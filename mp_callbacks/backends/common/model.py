@@ -159,6 +159,10 @@ class VariableScaleModel(keras.Model):
     _mp_kept_barrier: Callable[[], None] | None = None
     #: The backend's `LossScaleOptimizer` (set by each backend's class).
     _mp_optimizer_class: type
+    #: float8 layers' output-gradient scale and amax history follow the loss
+    #: scale when it changes (they hold scaled gradients' values); False
+    #: leaves them as stock Keras does, a binade or more off after a change.
+    float8_follows_loss_scale = True
 
     def __init__(self, *args: Any, loss_scale: Any = AUTO, **kwargs: Any) -> None:
         if functional_init_arguments(args, kwargs):

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 
 from mp_callbacks._backend import keras
+from mp_callbacks._float8 import gradient_state
 from mp_callbacks._keras_internals import update_metrics_variables
 from mp_callbacks._model_building import LOG_KEYS
 from mp_callbacks.backends.common.model import VariableScaleModel, scaler_from_argument
@@ -140,6 +141,11 @@ class MixedPrecisionModel(VariableScaleModel):
         non_trainable = scaling.keep_if_skipped(outcome, list(new_non_trainable), list(non_trainable))
         batch_size = next(t for t in keras.tree.flatten(x) if t is not None).shape[0]
         non_trainable, scale_logs = scaling.finish(outcome, non_trainable, batch_size)
+        if self.float8_follows_loss_scale and scaling.active:
+            ratio = scale_logs["loss_scale"] / scaling.value
+            trainable = list(trainable)
+            for i in gradient_state(self.trainable_variables):
+                trainable[i] = trainable[i] * ops.cast(ratio, trainable[i].dtype)
         logs, metrics_vars = update_metrics_variables(self, metrics_vars, loss, x, y, y_pred, sample_weight)
         return {**logs, **scale_logs}, (trainable, non_trainable, optimizer_vars, metrics_vars)
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from mp_callbacks._backend import keras
+from mp_callbacks._float8 import gradient_state
 from mp_callbacks._keras_internals import call_has_training_arg, compute_loss, loss_tracker
 from mp_callbacks._model_building import LOG_KEYS
 from mp_callbacks.backends.common.model import VariableScaleModel, scaler_from_argument
@@ -82,7 +83,14 @@ class MixedPrecisionModel(VariableScaleModel):
         if not scaling.applies(outcome):
             # A copy of the counter (the scale's update writes it in place): no host read.
             self.keep_skipped_batch((x, y, sample_weight), self._mp_state["step_count"].value.clone())
+        following = gradient_state(weights) if self.float8_follows_loss_scale and scaling.active else []
+        scale_before = scaling.value.clone() if following else None  # finish writes it in place
         logs = scaling.finish(outcome, batch_size)
+        if following:
+            ratio = self._mp_state["scale"].value / scale_before
+            with torch.no_grad():
+                for i in following:
+                    weights[i].value.mul_(ratio.to(weights[i].value.dtype))
         return {**self.compute_metrics(x, y, y_pred, sample_weight=sample_weight), **logs}
 
     _mp_default_train_step = train_step
