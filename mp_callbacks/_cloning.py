@@ -76,7 +76,13 @@ def _paired_layers(source: keras.Model, target: keras.Model) -> list[tuple[Any, 
     Raises:
         ValueError: the two models' layers differ otherwise.
     """
-    ours, theirs = all_layers(source, include_self=True), all_layers(target, include_self=True)
+    # Input layers hold nothing to copy, and a model rebuilt from its config
+    # may have more of them: a nested model built on the outer one's inputs
+    # (a KerasHub task on its backbone's) gets an InputLayer of its own.
+    ours, theirs = (
+        [layer for layer in all_layers(model, include_self=True) if not _is_input_layer(layer)]
+        for model in (source, target)
+    )
     # The models themselves may differ in class (float32_copy's is a plain keras.Model).
     pairs = [(ours[0], theirs[0])]
     remaining = iter(theirs[1:])

@@ -189,3 +189,33 @@ def test_float8_gradient_state_follows_a_loss_scale_back_off(follows):
         np.testing.assert_array_equal(after[name], before[name] * np.float32(factor), err_msg=name)
     for name in ("f8/inputs_scale", "f8/kernel_amax_history"):  # not scaled: as they were
         np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+
+
+# ------------------------------------------------------------------ copies
+def _task_on_its_backbones_inputs():
+    inputs = keras.Input((4,), name="x")
+    backbone = keras.Model(inputs, keras.layers.Dense(8, name="hidden")(inputs), name="backbone")
+    outputs = keras.layers.Dense(2, dtype="float32", name="head")(backbone(backbone.input))
+    return keras.Model(backbone.input, outputs, name="task")
+
+
+def test_copies_of_a_task_built_on_its_backbones_inputs():
+    # A KerasHub task is built on its backbone's own inputs: rebuilt from
+    # its config, the backbone gets an InputLayer of its own.
+    keras.config.set_dtype_policy("float32")
+    twin = _task_on_its_backbones_inputs()  # the same graph, in float32
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    model = mp.MixedPrecisionModel.from_model(_task_on_its_backbones_inputs())
+    model.compile("adam", "mse")
+    twin.set_weights(model.get_weights())
+    x = np.random.default_rng(0).normal(size=(4, 4)).astype("float32")
+    expected = np.asarray(twin.predict(x, verbose=0))
+    copies = {
+        "float32_copy": mp.float32_copy(model),
+        "PrecisionPlan.apply": mp.PrecisionPlan(policy="float32").apply(model),
+    }
+    for name, copy in copies.items():
+        np.testing.assert_array_equal(np.asarray(copy.predict(x, verbose=0)), expected, err_msg=name)
+    pinned = mp.with_float32_layers(model, ["hidden"])
+    hidden = next(layer for layer in pinned.get_layer("backbone").layers if layer.name == "hidden")
+    assert hidden.compute_dtype == "float32"
