@@ -219,3 +219,38 @@ def test_copies_of_a_task_built_on_its_backbones_inputs():
     pinned = mp.with_float32_layers(model, ["hidden"])
     hidden = next(layer for layer in pinned.get_layer("backbone").layers if layer.name == "hidden")
     assert hidden.compute_dtype == "float32"
+
+
+# --------------------------------------------------- Keras's newest optimizers
+@pytest.mark.skipif(not hasattr(keras.optimizers, "MultiOptimizer"), reason="Keras 3.15's MultiOptimizer")
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_a_multi_optimizer_trains_as_stock_and_one_decision_skips_all_of_it(policy):
+    def select(variable):
+        return keras.optimizers.Adam(1e-2) if "first" in variable.path else keras.optimizers.SGD(0.1)
+
+    def build(cls):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4,))
+        hidden = keras.layers.Dense(8, name="first")(inputs)
+        model = cls(inputs, keras.layers.Dense(1, dtype="float32", name="head")(hidden))
+        model.compile(keras.optimizers.MultiOptimizer(select), "mse")
+        return model
+
+    keras.config.set_dtype_policy(policy)
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
+    y = np.ones((16, 1), "float32")
+    trained = {}
+    for cls in (keras.Model, mp.MixedPrecisionModel):
+        model = build(cls)
+        model.fit(x, y, batch_size=8, verbose=0, shuffle=False)
+        trained[cls] = model
+    ours = trained[mp.MixedPrecisionModel]
+    if policy == "float32":
+        for mine, stock in zip(ours.get_weights(), trained[keras.Model].get_weights()):
+            np.testing.assert_array_equal(mine, stock)
+    state = list(ours.trainable_variables) + list(ours.optimizer.variables)
+    before = [np.array(v.numpy()) for v in state]
+    history = ours.fit(np.full((8, 4), np.nan, "float32"), y[:8], batch_size=8, verbose=0).history
+    assert history["skipped_steps"] == [1.0]
+    for variable, value in zip(state, before):  # every sub-optimizer's slots and iterations too
+        np.testing.assert_array_equal(np.array(variable.numpy()), value, err_msg=variable.path)
