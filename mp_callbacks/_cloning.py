@@ -22,6 +22,7 @@ import numpy as np
 
 from mp_callbacks._backend import BACKEND, keras
 from mp_callbacks._keras_internals import all_layers, in_memory_deserialization
+from mp_callbacks._layer_labels import layers_labelled
 
 __all__ = ["copy_state", "layers_within", "rebuilt", "set_nested_dtypes"]
 
@@ -139,11 +140,12 @@ def _set_policies(pairs: list[tuple[Any, Any]], policy_for: Callable[[Any], Any]
 
 
 def layers_within(model: keras.Model, names: list[str]) -> set[int]:
-    """ids of the layers named (at any depth in `model`) and of every layer inside them."""
-    by_name: dict[str, Any] = {}
-    for layer in all_layers(model):
-        by_name.setdefault(layer.name, layer)
-    return {id(inner) for name in names for inner in all_layers(by_name[name], include_self=True)}
+    """ids of the layers named (at any depth in `model`, by label or path:
+    `_layer_labels`) and of every layer inside them."""
+    named = layers_labelled(model, names)
+    return {
+        id(inner) for name in names for layer in named[name] for inner in all_layers(layer, include_self=True)
+    }
 
 
 def rebuilt(

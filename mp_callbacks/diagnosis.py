@@ -31,6 +31,7 @@ from mp_callbacks._keras_internals import (
     replaced_on_instance,
     set_layer_dtype_policy,
 )
+from mp_callbacks._layer_labels import layer_labels
 from mp_callbacks._loss_scale_source import LossScaleSource
 
 __all__ = [
@@ -305,11 +306,13 @@ def _reference_ranges(model: keras.Model, x: Any) -> dict[str, tuple[float, floa
     """The batch in float32: layer name -> (largest |input|, largest |output|),
     the true magnitudes that a low-precision layer should have held."""
     ranges: dict[str, tuple[float, float]] = {}
+    labels = layer_labels(model)
     with computing_in_float32(model), recording_layers(model) as records:
         model(x, training=True)
     for layer, inputs, outputs in records:
-        old_in, old_out = ranges.get(layer.name, (0.0, 0.0))
-        ranges[layer.name] = (_worst(old_in, _abs_max(inputs)), _worst(old_out, _abs_max(outputs)))
+        label = labels.get(id(layer), layer.name)
+        old_in, old_out = ranges.get(label, (0.0, 0.0))
+        ranges[label] = (_worst(old_in, _abs_max(inputs)), _worst(old_out, _abs_max(outputs)))
     return ranges
 
 
@@ -323,14 +326,17 @@ class OutputRange(NamedTuple):
 
 
 def layer_output_ranges(model: keras.Model, x: Any) -> dict[str, OutputRange]:
-    """Forward pass in inference mode: layer name -> `OutputRange`."""
+    """Forward pass in inference mode: layer label (`_layer_labels`: its
+    name, or its path where the name repeats) -> `OutputRange`."""
+    labels = layer_labels(model)
     with recording_layers(model) as records:
         model(x, training=False)
     ranges: dict[str, OutputRange] = {}
     for layer, inputs, outputs in records:
+        label = labels.get(id(layer), layer.name)
         value = _abs_max(outputs)
         dtype = str(getattr(layer, "compute_dtype", "float32"))
-        previous = ranges.get(layer.name)
+        previous = ranges.get(label)
         inputs_finite = _all_finite(inputs)
         if previous is not None:
             value = value if not value <= previous.largest else previous.largest
@@ -338,7 +344,7 @@ def layer_output_ranges(model: keras.Model, x: Any) -> dict[str, OutputRange]:
         weights_finite = _all_finite(
             [w.value for w in layer.weights if "float" in keras.backend.standardize_dtype(w.dtype)]
         )
-        ranges[layer.name] = OutputRange(dtype, value, inputs_finite, weights_finite)
+        ranges[label] = OutputRange(dtype, value, inputs_finite, weights_finite)
     return ranges
 
 
@@ -458,11 +464,12 @@ def diagnose_batch(
         backward = _backward_from_probes(model, x, y, sample_weight, float(loss_scale))
     else:
         backward = _backward_on_tensorflow(forward, notes)
+    labels = layer_labels(model)
     layer_records = {}
     for layer in backward.order:
         outputs = [t for _, outs in backward.calls[id(layer)] for t in outs]
-        layer_records[layer.name] = LayerRecord(
-            name=layer.name,
+        layer_records[id(layer)] = LayerRecord(
+            name=labels.get(id(layer), layer.name),
             compute_dtype=str(getattr(layer, "compute_dtype", "float32")),
             activation_max=_abs_max(outputs),
             output_finite=_all_finite(outputs),
@@ -474,7 +481,7 @@ def diagnose_batch(
         )
     else:
         _note_gradients(layer_records, backward.spans, backward.gradients, float(loss_scale))
-    ordered = [layer_records[layer.name] for layer in backward.order]
+    ordered = [layer_records[id(layer)] for layer in backward.order]
     loss = backward.loss
     return _report(ordered, reference, None if loss is None else float(loss), float(loss_scale), notes)
 
@@ -597,14 +604,14 @@ def _replay(
 
 
 def _note_gradients(
-    layer_records: dict[str, LayerRecord], spans: list, gradients: list, loss_scale: float
+    layer_records: dict[int, LayerRecord], spans: list, gradients: list, loss_scale: float
 ) -> None:
     """Each layer's gradient finiteness, largest gradient and underflow share."""
     for layer, start, n_in, n_out in spans:
         grads = [g for g in gradients[start : start + n_in] if g is not None]
         if tf is not None:
             grads = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
-        record = layer_records[layer.name]
+        record = layer_records[id(layer)]
         record.gradient_finite = _all_finite(grads) if grads else True
         out_grads = [g for g in gradients[start + n_in : start + n_in + n_out] if g is not None]
         if grads or out_grads:

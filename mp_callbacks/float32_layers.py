@@ -7,7 +7,8 @@ from collections.abc import Iterable
 
 from mp_callbacks._backend import keras
 from mp_callbacks._cloning import layers_within, rebuilt, set_nested_dtypes
-from mp_callbacks._keras_internals import all_layers, has_layer_graph, is_functional
+from mp_callbacks._keras_internals import has_layer_graph, is_functional
+from mp_callbacks._layer_labels import known_labels
 from mp_callbacks._validation import fail
 
 __all__ = ["float32_copy", "with_float32_layers"]
@@ -25,11 +26,13 @@ def with_float32_layers(model: keras.Model, names: Iterable[str]) -> keras.Model
     Args:
         model: `keras.Model`. A functional or Sequential model (a
             `MixedPrecisionModel` built functionally included).
-        names: iterable of str. Names of the model's layers at any depth
-            (a top-level layer, or one inside a wrapper, a nested model or
-            a custom layer), for example `report.float32_layers` from
-            `diagnose_batch`. Every layer inside a named one computes in
-            float32 too.
+        names: iterable of str. Names or paths of the model's layers at
+            any depth (a top-level layer, or one inside a wrapper, a nested
+            model or a custom layer: `block2/proj`), for example
+            `report.float32_layers` from `diagnose_batch`, which names a
+            layer by its path where another layer has the same name. A
+            name that several layers share names all of them. Every layer
+            inside a named one computes in float32 too.
 
     Example:
 
@@ -64,7 +67,7 @@ def with_float32_layers(model: keras.Model, names: Iterable[str]) -> keras.Model
             "a functional or Sequential model (subclassed models define their layers in "
             "code: set dtype='float32' on those layers there)",
         )
-    known = list(dict.fromkeys(layer.name for layer in all_layers(model)))
+    known = known_labels(model)
     unknown = [name for name in names if name not in known]
     if unknown:
         fail(

@@ -31,6 +31,7 @@ import numpy as np
 
 from mp_callbacks._backend import keras
 from mp_callbacks._keras_internals import all_layers, seed_generators_of
+from mp_callbacks._layer_labels import layer_labels, layers_labelled
 from mp_callbacks.diagnosis import (
     computing_in_float32,
     diagnose_batch,
@@ -75,8 +76,10 @@ class LayerSelection:
 def pinned(model: keras.Model, names: Sequence[str]) -> Iterator[None]:
     """While active, the named layers (and the layers inside them) compute
     in float32."""
-    by_name = {layer.name: layer for layer in all_layers(model)}
-    layers = [inner for name in names for inner in all_layers(by_name[name], include_self=True)]
+    named = layers_labelled(model, list(names))
+    layers = [
+        inner for name in names for layer in named[name] for inner in all_layers(layer, include_self=True)
+    ]
     with computing_in_float32(model, layers=layers):
         yield
 
@@ -125,6 +128,7 @@ def own_relative_errors(model: keras.Model, x: Any) -> dict[str, float]:
     saved = [keras.ops.copy(v.value) for v in state]  # copies: JAX donates the buffers it trains on
     calls: list[tuple[Any, tuple, dict]] = []
     errors: dict[str, float] = {}
+    labels = layer_labels(model)
     try:
         with recording_layers(model, arguments=calls) as records:
             model(x, training=True)
@@ -137,7 +141,8 @@ def own_relative_errors(model: keras.Model, x: Any) -> dict[str, float]:
             with computing_in_float32(model, layers=inner):
                 reference = _floating(layer(*_to_float32(args), **_to_float32(kwargs)))
             error = _relative_error(outputs, reference)
-            errors[layer.name] = max(errors.get(layer.name, 0.0), error)
+            label = labels.get(id(layer), layer.name)
+            errors[label] = max(errors.get(label, 0.0), error)
     finally:
         for variable, value in zip(state, saved):
             variable.assign(value)
@@ -197,7 +202,8 @@ def select_float32_layers(
     selection = LayerSelection()
     if compute_dtype not in _LOW_PRECISION:
         return selection
-    order = [layer.name for layer in all_layers(model)]
+    labels = layer_labels(model)
+    order = [labels[id(layer)] for layer in all_layers(model)]
     pins: list[str] = []
     reasons: dict[str, str] = {}
     gradient_max = 0.0
@@ -217,7 +223,7 @@ def select_float32_layers(
             )
     # Minimal: a layer whose pinning changes nothing goes; containers are
     # tried first, so that the smallest layer that needs float32 is kept.
-    size = {layer.name: len(all_layers(layer)) for layer in all_layers(model)}
+    size = {labels[id(layer)]: len(all_layers(layer)) for layer in all_layers(model)}
 
     def clean(names: list[str]) -> bool:
         return not _flag(model, batches, names, compute_dtype)[0]

@@ -254,3 +254,47 @@ def test_a_multi_optimizer_trains_as_stock_and_one_decision_skips_all_of_it(poli
     assert history["skipped_steps"] == [1.0]
     for variable, value in zip(state, before):  # every sub-optimizer's slots and iterations too
         np.testing.assert_array_equal(np.array(variable.numpy()), value, err_msg=variable.path)
+
+
+# ------------------------------------------------- layers told apart by path
+@keras.saving.register_keras_serializable(package="test_every_backend")
+class Block(keras.layers.Layer):
+    """A block with a sublayer named `proj`, as every transformer block has
+    its `query`, `key` and `value`."""
+
+    def __init__(self, gain=1.0, **kwargs):
+        super().__init__(**kwargs)
+        self.gain = gain
+        self.proj = keras.layers.Dense(4, kernel_initializer="ones", name="proj")
+
+    def build(self, input_shape):
+        self.proj.build(input_shape)
+
+    def call(self, x):
+        return self.proj(x * self.gain)
+
+    def get_config(self):
+        return {**super().get_config(), "gain": self.gain}
+
+
+def test_same_named_sublayers_are_told_apart_by_their_paths():
+    keras.config.set_dtype_policy("mixed_float16")
+    inputs = keras.Input((4,))
+    hidden = Block(1.0, name="block1")(inputs)
+    hidden = Block(6e3, name="block2")(hidden)  # its proj gives 4 * 4 * 6e3 > 65504
+    model = mp.MixedPrecisionModel(inputs, keras.layers.Dense(1, dtype="float32", name="head")(hidden))
+    model.compile("sgd", "mse")
+    x, y = np.ones((2, 4), "float32"), np.ones((2, 1), "float32")
+    report = mp.diagnose_batch(model, x, y)
+    assert report.first_nonfinite_layer == "block2/proj" and report.origin == "block2/proj"
+    assert {"block1/proj", "block2/proj"} <= set(report.activation_max)
+    assert "block2/proj" in report.float32_layers and "block1/proj" not in report.float32_layers
+    fixed = mp.with_float32_layers(model, ["block2/proj"])
+    dtypes = {
+        path: fixed.get_layer(block).proj.compute_dtype for path, block in [("1", "block1"), ("2", "block2")]
+    }
+    assert dtypes == {"1": "float16", "2": "float32"}
+    monitor = mp.HeadroomMonitor(probe=x)
+    logs = model.fit(x, y, verbose=0, callbacks=[monitor]).history
+    assert {"block1/proj", "block2/proj"} <= set(monitor.history[-1]["headroom"])
+    assert {"headroom/block1/proj", "headroom/block2/proj"} <= set(logs)
