@@ -14,6 +14,7 @@ from mp_callbacks._keras_internals import global_seed_generator_state
 from mp_callbacks._validation import check_int, check_real, fail
 from mp_callbacks.diagnosis import dtype_max, layer_output_ranges
 from mp_callbacks.errors import MixedPrecisionWarning
+from mp_callbacks.layer_selection import MAX_RELATIVE_ERROR, own_precision_loss
 
 __all__ = ["HeadroomMonitor"]
 
@@ -37,7 +38,8 @@ def _has_call(model: Any) -> bool:
 
 
 class HeadroomMonitor(MixedPrecisionCallback):
-    """Records how much of float16's range each float16 layer's output uses.
+    """Records how much of float16's range each float16 layer's output
+    uses, and what each bfloat16 layer's own computation loses.
 
     Every `every_n_steps` training steps, and at the end of an epoch that
     had no probe, one fixed probe batch (for example a slice of the
@@ -54,6 +56,15 @@ class HeadroomMonitor(MixedPrecisionCallback):
     output is not finite because its inputs or weights are not is said to
     be so, not called an overflow.
 
+    bfloat16 has float32's range but 8 significant bits: it fails by losing
+    precision, not by overflowing. On the same probe, each bfloat16 layer
+    is computed again in float32 on the inputs it received, and the epoch
+    logs get `bfloat16/<layer>/error` (the relative L2 error of its output)
+    and `bfloat16/<layer>/underflow` (the share of the float32 output's
+    nonzero values that bfloat16 flushed to 0); a `MixedPrecisionWarning`
+    names a layer the first time its error passes `warn_error`. A layer
+    whose name repeats in the model is named by its path (`block2/proj`).
+
     Args:
         probe: array, tensor or structure of them. The probe inputs (what
             `model(probe)` accepts), a few samples.
@@ -64,8 +75,10 @@ class HeadroomMonitor(MixedPrecisionCallback):
         warn_above: float in (0, 1]. Warn when a float16 layer uses more
             than this share of float16's range. Defaults to `0.5`.
         layers: list of str or None. Names of the layers to log. Defaults to
-            None: every layer that computes in float16 (other dtypes have
-            float32's range).
+            None: every layer that computes in float16 or bfloat16.
+        warn_error: float in (0, 1]. Warn when a bfloat16 layer's output
+            differs from float32's by more than this relative error.
+            Defaults to `0.05` (ordinary layers stay well under 1 %).
         target: str, `keras.Model` or None. The model to run the probe
             through: the name of one of the trained model's attributes, or a
             model, for a model without `call()` such as a GAN (`"generator"`).
@@ -76,8 +89,8 @@ class HeadroomMonitor(MixedPrecisionCallback):
         TypeError: an argument of the wrong type (a string for a number).
 
     Attributes:
-        history: one `{"epoch", "step", "headroom": {layer: share}}` record
-            per probe.
+        history: one `{"epoch", "step", "headroom": {layer: share},
+            "bfloat16": {layer: {"error", "underflow"}}}` record per probe.
 
     Example:
 
@@ -105,6 +118,7 @@ class HeadroomMonitor(MixedPrecisionCallback):
         warn_above: float = 0.5,
         layers: list[str] | None = None,
         target: str | keras.Model | None = None,
+        warn_error: float = MAX_RELATIVE_ERROR,
     ) -> None:
         super().__init__()
         # Its probe runs the model between steps: never on Keras's thread
@@ -119,6 +133,15 @@ class HeadroomMonitor(MixedPrecisionCallback):
             owner,
             "warn_above",
             warn_above,
+            low=0.0,
+            high=1.0,
+            low_inclusive=False,
+            requirement="a number in (0, 1]",
+        )
+        self.warn_error = check_real(
+            owner,
+            "warn_error",
+            warn_error,
             low=0.0,
             high=1.0,
             low_inclusive=False,
@@ -148,6 +171,7 @@ class HeadroomMonitor(MixedPrecisionCallback):
             "warn_above": self.warn_above,
             "layers": self.layers,
             "target": self.target,
+            "warn_error": self.warn_error,
         }
 
     def on_train_begin(self, logs=None):
@@ -177,7 +201,7 @@ class HeadroomMonitor(MixedPrecisionCallback):
             self._probe()
         if logs is not None:
             for name, share in self._epoch_max.items():
-                logs[f"headroom/{name}"] = share
+                logs[name if name.startswith("bfloat16/") else f"headroom/{name}"] = share
 
     # ------------------------------------------------------------ helpers
     def _resolve_target(self) -> Any:
@@ -212,10 +236,14 @@ class HeadroomMonitor(MixedPrecisionCallback):
         if self._probed_model is None:
             return
         self._sync_trained_state()
+        model = self._probed_model
         try:
-            ranges = _leaving_state_as_it_was(
-                self._probed_model, lambda: layer_output_ranges(self._probed_model, self.probe)
-            )
+            ranges = _leaving_state_as_it_was(model, lambda: layer_output_ranges(model, self.probe))
+            lost = {}
+            if any(measured.dtype == "bfloat16" for measured in ranges.values()):
+                lost = _leaving_state_as_it_was(
+                    model, lambda: own_precision_loss(model, self.probe, training=False)
+                )
         except Exception as error:
             # A monitor never stops training: the model cannot run the probe
             # in inference (stock Keras 3.15's RandomCrop keeps the uncropped
@@ -244,7 +272,28 @@ class HeadroomMonitor(MixedPrecisionCallback):
             self._epoch_max[name] = share if not share <= previous else previous
             if measured.dtype == "float16" and share > self.warn_above and name not in self._warned:
                 self._warn(name, measured, share)
-        self.history.append({"epoch": self._epoch, "step": self._steps, "headroom": shares})
+        precision: dict[str, dict[str, float]] = {}
+        for name, loss in lost.items():
+            if loss.dtype != "bfloat16" or (self.layers is not None and name not in self.layers):
+                continue
+            precision[name] = {"error": loss.error, "underflow": loss.underflow}
+            for figure in ("error", "underflow"):
+                key = f"bfloat16/{name}/{figure}"
+                self._epoch_max[key] = max(self._epoch_max.get(key, 0.0), precision[name][figure])
+            if loss.error > self.warn_error and f"bfloat16/{name}" not in self._warned:
+                self._warned.add(f"bfloat16/{name}")
+                warnings.warn(
+                    f"Layer {name!r} computes in bfloat16 and its output differs from float32's by "
+                    f"{loss.error:.1%} (relative error; {loss.underflow:.1%} of its nonzero values "
+                    f"flushed to 0) on the probe batch at step {self._steps}: bfloat16 keeps 8 "
+                    "significant bits. Compute it in float32: "
+                    f"mp_callbacks.with_float32_layers(model, [{name!r}]).",
+                    MixedPrecisionWarning,
+                    stacklevel=3,
+                )
+        self.history.append(
+            {"epoch": self._epoch, "step": self._steps, "headroom": shares, "bfloat16": precision}
+        )
 
     def _warn(self, name: str, measured: Any, share: float) -> None:
         self._warned.add(name)

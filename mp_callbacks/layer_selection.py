@@ -25,7 +25,7 @@ import contextlib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -38,7 +38,14 @@ from mp_callbacks.diagnosis import (
     recording_layers,
 )
 
-__all__ = ["MAX_RELATIVE_ERROR", "LayerSelection", "own_relative_errors", "select_float32_layers"]
+__all__ = [
+    "MAX_RELATIVE_ERROR",
+    "LayerSelection",
+    "PrecisionLoss",
+    "own_precision_loss",
+    "own_relative_errors",
+    "select_float32_layers",
+]
 
 #: A layer whose own output differs from float32's by more than this
 #: (relative L2 error) is computed in float32. bfloat16 rounds each value
@@ -118,35 +125,67 @@ def _to_float32(structure: Any) -> Any:
     )
 
 
-def own_relative_errors(model: keras.Model, x: Any) -> dict[str, float]:
-    """Layer name -> the relative L2 error of the layer's own computation
-    against the same computation in float32, on the inputs it received in
-    a training-mode pass of `x`, as in `fit` (layers that compute in
-    float32, and layers that draw random numbers, are left out). The state
+class PrecisionLoss(NamedTuple):
+    """What one low-precision layer's own computation loses against the
+    same computation in float32 on the same inputs."""
+
+    dtype: str  #: the layer's compute dtype
+    error: float  #: relative L2 error of its outputs
+    underflow: float  #: share of the float32 outputs' nonzero values that came out 0
+
+
+def _underflow(ours: list[Any], reference: list[Any]) -> float:
+    flushed = total = 0
+    for a, b in zip(ours, reference):
+        nonzero = keras.ops.not_equal(keras.ops.cast(b, "float32"), 0.0)
+        zero = keras.ops.equal(keras.ops.cast(a, "float32"), 0.0)
+        total += int(keras.ops.sum(keras.ops.cast(nonzero, "int32")))
+        flushed += int(keras.ops.sum(keras.ops.cast(keras.ops.logical_and(nonzero, zero), "int32")))
+    return flushed / total if total else 0.0
+
+
+def own_precision_loss(model: keras.Model, x: Any, training: bool = True) -> dict[str, PrecisionLoss]:
+    """Layer label (`_layer_labels`) -> `PrecisionLoss`: each low-precision
+    layer's outputs against the same layer computed in float32 on the
+    inputs it received in a pass of `x` (in training mode, as in `fit`, or
+    in inference); the worst over its calls. Layers that compute in
+    float32, and layers that draw random numbers, are left out. The state
     the passes change (BatchNormalization's statistics) is put back."""
     state = list(model.non_trainable_variables)
     saved = [keras.ops.copy(v.value) for v in state]  # copies: JAX donates the buffers it trains on
     calls: list[tuple[Any, tuple, dict]] = []
-    errors: dict[str, float] = {}
+    losses: dict[str, PrecisionLoss] = {}
     labels = layer_labels(model)
     try:
         with recording_layers(model, arguments=calls) as records:
-            model(x, training=True)
+            model(x, training=training)
         for (layer, args, kwargs), (_, _, outputs) in zip(calls, records):
-            if getattr(layer, "compute_dtype", "float32") not in _LOW_PRECISION or not outputs:
+            dtype = getattr(layer, "compute_dtype", "float32")
+            if dtype not in _LOW_PRECISION or not outputs:
                 continue
             inner = all_layers(layer, include_self=True)
             if any(seed_generators_of(sub) for sub in inner):
                 continue  # a replay would draw other random numbers
             with computing_in_float32(model, layers=inner):
                 reference = _floating(layer(*_to_float32(args), **_to_float32(kwargs)))
-            error = _relative_error(outputs, reference)
             label = labels.get(id(layer), layer.name)
-            errors[label] = max(errors.get(label, 0.0), error)
+            previous = losses.get(label, PrecisionLoss(dtype, 0.0, 0.0))
+            losses[label] = PrecisionLoss(
+                dtype,
+                max(previous.error, _relative_error(outputs, reference)),
+                max(previous.underflow, _underflow(_floating(outputs), reference)),
+            )
     finally:
         for variable, value in zip(state, saved):
             variable.assign(value)
-    return errors
+    return losses
+
+
+def own_relative_errors(model: keras.Model, x: Any) -> dict[str, float]:
+    """Layer label -> the relative L2 error of the layer's own computation
+    against the same computation in float32, in a training-mode pass of
+    `x` (see `own_precision_loss`)."""
+    return {label: loss.error for label, loss in own_precision_loss(model, x).items()}
 
 
 def _flag(

@@ -298,3 +298,36 @@ def test_same_named_sublayers_are_told_apart_by_their_paths():
     logs = model.fit(x, y, verbose=0, callbacks=[monitor]).history
     assert {"block1/proj", "block2/proj"} <= set(monitor.history[-1]["headroom"])
     assert {"headroom/block1/proj", "headroom/block2/proj"} <= set(logs)
+
+
+# --------------------------------------------------------- bfloat16 visible
+@keras.saving.register_keras_serializable(package="test_every_backend")
+class NaiveVariance(keras.layers.Layer):
+    """E[x^2] - E[x]^2, written by hand: cancels catastrophically for a large mean."""
+
+    def call(self, x):
+        mean = keras.ops.mean(x, axis=-1, keepdims=True)
+        return keras.ops.mean(x * x, axis=-1, keepdims=True) - mean * mean
+
+
+def test_the_bfloat16_layer_that_loses_precision_is_named_and_not_its_neighbours():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    hidden = keras.layers.Dense(8, name="before")(inputs)
+    spread = NaiveVariance(name="variance")(inputs)
+    features = keras.layers.Concatenate(name="features")([hidden, spread])
+    outputs = keras.layers.Dense(1, dtype="float32", name="head")(
+        keras.layers.Dense(4, name="after")(features)
+    )
+    model = mp.MixedPrecisionModel(inputs, outputs)
+    model.compile("sgd", "mse")
+    x = (300.0 + np.random.default_rng(0).normal(size=(16, 16))).astype("float32")
+    monitor = mp.HeadroomMonitor(probe=x[:4])
+    with pytest.warns(mp.MixedPrecisionWarning, match="'variance' computes in bfloat16") as caught:
+        logs = model.fit(x, np.ones((16, 1), "float32"), batch_size=8, verbose=0, callbacks=[monitor]).history
+    named = {str(w.message).split("'")[1] for w in caught if "computes in bfloat16" in str(w.message)}
+    assert named == {"variance"}
+    assert logs["bfloat16/variance/error"][0] > 0.05
+    assert all(logs[f"bfloat16/{name}/error"][0] < 0.05 for name in ("before", "after", "features"))
+    assert set(monitor.history[-1]["bfloat16"]["variance"]) == {"error", "underflow"}
