@@ -76,6 +76,13 @@ class LayerRecord:
     gradient_max: float | None = None
 
 
+#: A low-precision layer is flagged when its own output differs from float32's
+#: by more than this share (relative L2 error) on the same inputs. bfloat16
+#: rounds each value by up to 2**-9 (0.2 %), float16 by 2**-12: ordinary
+#: layers stay well under a percent.
+MAX_RELATIVE_ERROR = 0.05
+
+
 @dataclass
 class PrecisionReport:
     """Per-layer precision figures for one batch.
@@ -116,6 +123,14 @@ class PrecisionReport:
             overflowed should have held.
         gradient_max: layer name -> largest |gradient| of the unscaled
             loss with respect to the layer's inputs, own weights or output.
+        precision_loss: bfloat16 layer name -> the relative L2 error of its
+            output against the same layer computed in float32 on the same
+            inputs (bfloat16 keeps 8 significant bits: it loses precision
+            where float16 overflows). A layer past `MAX_RELATIVE_ERROR` is
+            in `float32_layers`.
+
+    A layer whose name repeats in the model is named by its path
+    (`block2/proj`).
     """
 
     first_nonfinite_layer: str | None
@@ -132,6 +147,7 @@ class PrecisionReport:
     layers: list[LayerRecord] = field(default_factory=list)
     reference_max: dict[str, float] = field(default_factory=dict)
     gradient_max: dict[str, float] = field(default_factory=dict)
+    precision_loss: dict[str, float] = field(default_factory=dict)
 
     def __str__(self) -> str:
         header = (
@@ -178,6 +194,12 @@ class PrecisionReport:
         lines.append(
             f"first non-finite gradient (backward order): {self.first_nonfinite_gradient_layer or 'none'}"
         )
+        lost = {name: error for name, error in self.precision_loss.items() if error > MAX_RELATIVE_ERROR}
+        if lost:
+            lines.append(
+                "bfloat16 precision lost: "
+                + ", ".join(f"{name} ({error:.1%} relative error)" for name, error in lost.items())
+            )
         if self.float32_layers:
             lines.append(
                 "compute in float32: "
@@ -483,7 +505,29 @@ def diagnose_batch(
         _note_gradients(layer_records, backward.spans, backward.gradients, float(loss_scale))
     ordered = [layer_records[id(layer)] for layer in backward.order]
     loss = backward.loss
-    return _report(ordered, reference, None if loss is None else float(loss), float(loss_scale), notes)
+    precision_loss = _bfloat16_precision_loss(model, x, ordered, notes)
+    report = _report(ordered, reference, None if loss is None else float(loss), float(loss_scale), notes)
+    report.precision_loss = precision_loss
+    lost = [name for name, error in precision_loss.items() if error > MAX_RELATIVE_ERROR]
+    report.float32_layers += [name for name in lost if name not in report.float32_layers]
+    return report
+
+
+def _bfloat16_precision_loss(
+    model: keras.Model, x: Any, ordered: list[LayerRecord], notes: list[str]
+) -> dict[str, float]:
+    """Each bfloat16 layer's relative error against float32 on the batch
+    (`layer_selection.own_precision_loss`); none without bfloat16 layers."""
+    if not any(record.compute_dtype == "bfloat16" for record in ordered):
+        return {}
+    from mp_callbacks.layer_selection import own_precision_loss  # (it builds on this module)
+
+    try:
+        measured = own_precision_loss(model, x)
+    except Exception as error:  # advice, not the diagnosis
+        notes.append(f"no bfloat16 precision figures ({type(error).__name__}: {error}).")
+        return {}
+    return {name: loss.error for name, loss in measured.items() if loss.dtype == "bfloat16"}
 
 
 class _Backward(NamedTuple):

@@ -33,6 +33,7 @@ from mp_callbacks._backend import keras
 from mp_callbacks._keras_internals import all_layers, seed_generators_of
 from mp_callbacks._layer_labels import layer_labels, layers_labelled
 from mp_callbacks.diagnosis import (
+    MAX_RELATIVE_ERROR,
     computing_in_float32,
     diagnose_batch,
     recording_layers,
@@ -47,11 +48,6 @@ __all__ = [
     "select_float32_layers",
 ]
 
-#: A layer whose own output differs from float32's by more than this
-#: (relative L2 error) is computed in float32. bfloat16 rounds each value
-#: by up to 2**-9 (0.2 %), float16 by 2**-12: ordinary layers stay well
-#: under a percent.
-MAX_RELATIVE_ERROR = 0.05
 _LOW_PRECISION = ("float16", "bfloat16")
 _FLOAT16_MAX = 65504.0
 # A loss scale that leaves a factor of 16 below float16's largest value:
@@ -202,7 +198,10 @@ def _flag(
             for name in report.float32_layers:
                 if name in pins:
                     continue
-                if name == report.first_nonfinite_layer:
+                if report.precision_loss.get(name, 0.0) > MAX_RELATIVE_ERROR:
+                    error = report.precision_loss[name]
+                    flags.setdefault(name, f"it differs {error:.0%} from float32 (relative error)")
+                elif name == report.first_nonfinite_layer:
                     flags.setdefault(name, "its output overflows (not finite)")
                 elif name == report.origin:
                     flags.setdefault(name, "the gradient it passes back is not finite")

@@ -323,6 +323,12 @@ def test_the_bfloat16_layer_that_loses_precision_is_named_and_not_its_neighbours
     model = mp.MixedPrecisionModel(inputs, outputs)
     model.compile("sgd", "mse")
     x = (300.0 + np.random.default_rng(0).normal(size=(16, 16))).astype("float32")
+    # diagnose_batch names it, in the same report as float16 overflow.
+    report = mp.diagnose_batch(model, x[:8], np.ones((8, 1), "float32"))
+    assert report.precision_loss["variance"] > 0.05
+    assert all(report.precision_loss[name] < 0.05 for name in ("before", "after", "features"))
+    assert report.float32_layers == ["variance"]
+    assert "bfloat16 precision lost: variance" in str(report)
     monitor = mp.HeadroomMonitor(probe=x[:4])
     with pytest.warns(mp.MixedPrecisionWarning, match="'variance' computes in bfloat16") as caught:
         logs = model.fit(x, np.ones((16, 1), "float32"), batch_size=8, verbose=0, callbacks=[monitor]).history
