@@ -12,16 +12,25 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
-from mp_callbacks._backend import keras
+from mp_callbacks._backend import BACKEND, keras
 from mp_callbacks.errors import MixedPrecisionWarning
 
-__all__ = ["gradient_state", "repair_amax_histories"]
+__all__ = ["float8_figures", "float8_layers", "gradient_state", "repair_amax_histories", "tensor_figures"]
 
 #: The float8 state that records *scaled* gradients under a loss scale:
 #: the output gradient's scale and amax history (E5M2).
 _GRADIENT_STATE = ("outputs_grad_scale", "outputs_grad_amax_history")
+
+
+def _host(variable: Any) -> np.ndarray:
+    """A variable's value in NumPy (its backend value's own `numpy()`: NumPy
+    2 warns on converting a TensorFlow variable)."""
+    if BACKEND == "tensorflow":
+        return np.asarray(variable.value.numpy())
+    return np.asarray(keras.ops.convert_to_numpy(variable.value))
 
 
 def _amax_histories(model: Any) -> list[Any]:
@@ -52,7 +61,7 @@ def repair_amax_histories(model: Any) -> list[str]:
     float8 layers."""
     repaired = []
     for variable in _amax_histories(model):
-        values = np.asarray(keras.ops.convert_to_numpy(variable.value))
+        values = _host(variable)
         bad = ~np.isfinite(values)
         if bad.any():
             variable.assign(np.where(bad, 0, values).astype(values.dtype))
@@ -68,3 +77,102 @@ def repair_amax_histories(model: Any) -> list[str]:
             stacklevel=3,
         )
     return [entry.split(" (")[0] for entry in repaired]
+
+
+#: The element formats of Keras's float8 layers, by quantized tensor.
+_FORMATS = {"inputs": "float8_e4m3fn", "kernel": "float8_e4m3fn"}
+#: MX blocks (OCP Microscaling): 32 elements share a power-of-two scale.
+MX_BLOCK = 32
+
+
+def _quantized(values: np.ndarray, scale: float, dtype: Any) -> np.ndarray:
+    """Keras's `quantize_and_dequantize` of `values` / `scale`, on the host."""
+    top = float(ml_dtypes.finfo(dtype).max)
+    return np.clip(values / scale, -top, top).astype(dtype).astype(np.float32)
+
+
+def _underflow(values: np.ndarray, quantized: np.ndarray) -> float:
+    nonzero = values != 0
+    count = int(nonzero.sum())
+    return float((nonzero & (quantized == 0)).sum()) / count if count else 0.0
+
+
+def tensor_figures(values: Any, scale: float, format_name: str) -> dict[str, float]:
+    """What quantizing `values` with Keras's delayed `scale` does, and what
+    two other recipes would do with the same values:
+
+    - `saturation`: share of the values beyond the format's range at this
+      scale (clipped: no inf, no skip, silently wrong);
+    - `underflow`: share of the nonzero values that quantize to 0;
+    - `amax_ratio`: the values' amax over the amax the scale was computed
+      from (`scale` times the format's max): above 1 saturates;
+    - `current_underflow`: the underflow with a scale from these values'
+      own amax (per-tensor current scaling: nothing saturates);
+    - `mx_underflow`: the underflow with a power-of-two scale per block of
+      32 values (MX, OCP Microscaling)."""
+    dtype = getattr(ml_dtypes, format_name)
+    top = float(ml_dtypes.finfo(dtype).max)
+    flat = np.asarray(values, dtype=np.float32).ravel()
+    amax = float(np.max(np.abs(flat))) if flat.size else 0.0
+    figures = {
+        "saturation": float(np.mean(np.abs(flat / scale) > top)) if flat.size else 0.0,
+        "underflow": _underflow(flat, _quantized(flat, scale, dtype)),
+        "amax_ratio": amax / (scale * top) if scale > 0 else float("inf"),
+    }
+    figures["current_underflow"] = _underflow(flat, _quantized(flat, amax / top, dtype)) if amax > 0 else 0.0
+    padded = np.concatenate([flat, np.zeros((-flat.size) % MX_BLOCK, np.float32)]).reshape(-1, MX_BLOCK)
+    block_amax = np.max(np.abs(padded), axis=1, keepdims=True)
+    emax = int(np.floor(np.log2(top)))
+    with np.errstate(divide="ignore"):
+        exponent = np.where(
+            block_amax > 0, np.floor(np.log2(np.where(block_amax > 0, block_amax, 1.0))) - emax, 0
+        )
+    blocks = np.power(2.0, exponent).astype(np.float32)
+    mx = (np.clip(padded / blocks, -top, top).astype(dtype).astype(np.float32)).ravel()[: flat.size]
+    figures["mx_underflow"] = _underflow(flat, mx)
+    return figures
+
+
+def float8_layers(model: Any) -> list[Any]:
+    """`model`'s layers that `quantize("float8")` made float8 (Dense, EinsumDense)."""
+    from mp_callbacks._keras_internals import all_layers
+
+    return [layer for layer in all_layers(model) if getattr(layer, "quantization_mode", None) == "float8"]
+
+
+def float8_figures(model: Any, x: Any) -> dict[str, dict[str, Any]]:
+    """Layer label -> {"inputs": figures, "kernel": figures,
+    "history_nonfinite": bool} for every float8 layer, on one inference
+    pass of `x` (`tensor_figures`; the inputs as each layer received them
+    in its first call). Host reads of the layers' tensors: for a probe."""
+    from mp_callbacks._layer_labels import layer_labels
+    from mp_callbacks.diagnosis import recording_layers
+
+    layers = float8_layers(model)
+    if not layers:
+        return {}
+    wanted = {id(layer) for layer in layers}
+    seen_inputs: dict[int, Any] = {}
+    with recording_layers(model) as records:
+        model(x, training=False)
+    for layer, inputs, _ in records:
+        if id(layer) in wanted and inputs and id(layer) not in seen_inputs:
+            seen_inputs[id(layer)] = keras.ops.convert_to_numpy(keras.ops.cast(inputs[0], "float32"))
+    labels = layer_labels(model)
+    figures: dict[str, dict[str, Any]] = {}
+    for layer in layers:
+
+        def read(name: str, owner: Any = layer) -> np.ndarray:
+            return _host(getattr(owner, name)).astype(np.float32)
+
+        entry: dict[str, Any] = {}
+        if id(layer) in seen_inputs:
+            entry["inputs"] = tensor_figures(
+                seen_inputs[id(layer)], float(read("inputs_scale")), _FORMATS["inputs"]
+            )
+        kernel = _host(layer.kernel).astype(np.float32)
+        entry["kernel"] = tensor_figures(kernel, float(read("kernel_scale")), _FORMATS["kernel"])
+        histories = [read(v.name) for v in layer.weights if v.name.endswith("amax_history")]
+        entry["history_nonfinite"] = any(not np.isfinite(h).all() for h in histories)
+        figures[labels.get(id(layer), layer.name)] = entry
+    return figures

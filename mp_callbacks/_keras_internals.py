@@ -384,6 +384,12 @@ def seed_generators_of(layer: Any) -> list[Any]:
     return list(getattr(layer, "_seed_generators", None) or [])
 
 
+def called_method(layer: Any) -> str:
+    """The method `Layer.__call__` runs for `layer`: `quantized_call` for a
+    quantized layer (float8, int8, ...), else `call`."""
+    return "quantized_call" if getattr(layer, "quantization_mode", None) else "call"
+
+
 @contextlib.contextmanager
 def replaced_on_instance(obj: Any, replacements: dict[str, Any]) -> Iterator[None]:
     """Sets `replacements` as attributes of `obj` itself for the duration,

@@ -26,6 +26,7 @@ import numpy as np
 from mp_callbacks._backend import BACKEND, keras, tf
 from mp_callbacks._keras_internals import (
     all_layers,
+    called_method,
     has_layer_graph,
     layer_dtype_policy,
     replaced_on_instance,
@@ -297,7 +298,8 @@ def recording_layers(
 
     with contextlib.ExitStack() as stack:
         for layer in _inspected_layers(model):
-            stack.enter_context(replaced_on_instance(layer, {"call": wrap(layer, layer.call)}))
+            method = called_method(layer)  # a quantized layer runs quantized_call
+            stack.enter_context(replaced_on_instance(layer, {method: wrap(layer, getattr(layer, method))}))
         yield records
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from mp_callbacks._backend import keras
 from mp_callbacks._callback_support import MixedPrecisionCallback
+from mp_callbacks._float8 import float8_figures, float8_layers
 from mp_callbacks._keras_internals import global_seed_generator_state
 from mp_callbacks._validation import check_int, check_real, fail
 from mp_callbacks.diagnosis import dtype_max, layer_output_ranges
@@ -23,6 +24,9 @@ logger = logging.getLogger(__name__)
 # Compute dtypes whose range a layer can run out of (bfloat16 and float32
 # both reach 3.4e38, which no activation comes near).
 _LIMITED_RANGE = ("float16",)
+#: A float8 tensor is said to saturate when more than this share of its
+#: values is clipped on the probe.
+FLOAT8_SATURATION_WARNING = 0.05
 
 
 def _sub_models(model: keras.Model) -> list[str]:
@@ -201,7 +205,7 @@ class HeadroomMonitor(MixedPrecisionCallback):
             self._probe()
         if logs is not None:
             for name, share in self._epoch_max.items():
-                logs[name if name.startswith("bfloat16/") else f"headroom/{name}"] = share
+                logs[name if name.startswith(("bfloat16/", "float8/")) else f"headroom/{name}"] = share
 
     # ------------------------------------------------------------ helpers
     def _resolve_target(self) -> Any:
@@ -244,6 +248,9 @@ class HeadroomMonitor(MixedPrecisionCallback):
                 lost = _leaving_state_as_it_was(
                     model, lambda: own_precision_loss(model, self.probe, training=False)
                 )
+            quantized = {}
+            if float8_layers(model):
+                quantized = _leaving_state_as_it_was(model, lambda: float8_figures(model, self.probe))
         except Exception as error:
             # A monitor never stops training: the model cannot run the probe
             # in inference (stock Keras 3.15's RandomCrop keeps the uncropped
@@ -291,9 +298,49 @@ class HeadroomMonitor(MixedPrecisionCallback):
                     MixedPrecisionWarning,
                     stacklevel=3,
                 )
+        for name, entry in quantized.items():
+            if self.layers is not None and name not in self.layers:
+                continue
+            self._note_float8(name, entry)
         self.history.append(
-            {"epoch": self._epoch, "step": self._steps, "headroom": shares, "bfloat16": precision}
+            {
+                "epoch": self._epoch,
+                "step": self._steps,
+                "headroom": shares,
+                "bfloat16": precision,
+                "float8": quantized,
+            }
         )
+
+    def _note_float8(self, name: str, entry: dict[str, Any]) -> None:
+        """A float8 layer's figures into the epoch's logs, and a warning the
+        first time a tensor saturates or a history holds inf or NaN."""
+        for tensor in ("inputs", "kernel"):
+            for figure, value in entry.get(tensor, {}).items():
+                key = f"float8/{name}/{tensor}/{figure}"
+                self._epoch_max[key] = max(self._epoch_max.get(key, 0.0), value)
+            saturation = entry.get(tensor, {}).get("saturation", 0.0)
+            if saturation > FLOAT8_SATURATION_WARNING and f"float8/{name}/{tensor}" not in self._warned:
+                self._warned.add(f"float8/{name}/{tensor}")
+                warnings.warn(
+                    f"float8 layer {name!r}: {saturation:.1%} of its {tensor} saturate on the probe "
+                    f"batch at step {self._steps} (clipped to the format's range, silently: no inf, "
+                    f"no skipped step); their amax is {entry[tensor]['amax_ratio']:.3g}x the amax its "
+                    "scale was computed from. Compute it without float8, or let its amax history "
+                    "catch up (a shorter history).",
+                    MixedPrecisionWarning,
+                    stacklevel=4,
+                )
+        key = f"float8/{name}/history_nonfinite"
+        self._epoch_max[key] = max(self._epoch_max.get(key, 0.0), float(entry["history_nonfinite"]))
+        if entry["history_nonfinite"] and key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(
+                f"float8 layer {name!r}: an amax history holds inf or NaN at step {self._steps}: its "
+                "scale stays frozen until the value rolls out (fit repairs it when it starts).",
+                MixedPrecisionWarning,
+                stacklevel=4,
+            )
 
     def _warn(self, name: str, measured: Any, share: float) -> None:
         self._warned.add(name)

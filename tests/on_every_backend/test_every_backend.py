@@ -337,3 +337,43 @@ def test_the_bfloat16_layer_that_loses_precision_is_named_and_not_its_neighbours
     assert logs["bfloat16/variance/error"][0] > 0.05
     assert all(logs[f"bfloat16/{name}/error"][0] < 0.05 for name in ("before", "after", "features"))
     assert set(monitor.history[-1]["bfloat16"]["variance"]) == {"error", "underflow"}
+
+
+# ----------------------------------------------------------- float8 visible
+class Gain(keras.layers.Layer):
+    """Multiplies by a non-trainable factor, set between fits (a jump)."""
+
+    def build(self, input_shape):
+        self.gain = self.add_weight(shape=(), initializer="ones", trainable=False, name="gain")
+
+    def call(self, x):
+        return x * keras.ops.cast(self.gain, x.dtype)
+
+
+def test_a_float8_layers_inputs_saturating_after_a_jump_are_named_with_the_share():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    first, second = keras.layers.Dense(8, name="first"), keras.layers.Dense(8, name="second")
+    gain = Gain(name="gain")
+    hidden = second(gain(first(inputs)))
+    model = mp.MixedPrecisionModel(inputs, keras.layers.Dense(1, dtype="float32", name="head")(hidden))
+    first.quantize("float8")
+    second.quantize("float8")
+    model.compile(keras.optimizers.SGD(1e-3), "mse")
+    x = np.random.default_rng(0).normal(size=(16, 8)).astype("float32")
+    y = np.zeros((16, 1), "float32")
+    monitor = mp.HeadroomMonitor(probe=x[:8], every_n_steps=1)
+    calm = model.fit(x, y, batch_size=8, verbose=0, callbacks=[monitor]).history
+    assert calm["float8/second/inputs/saturation"][0] < 0.05
+    gain.gain.assign(100.0)  # the second layer's activations jump: its scale is stale
+    with pytest.warns(
+        mp.MixedPrecisionWarning, match=r"float8 layer 'second': \d+\.\d% of its inputs saturate"
+    ):
+        jumped = model.fit(x, y, batch_size=8, verbose=0, callbacks=[monitor]).history
+    assert jumped["float8/second/inputs/saturation"][0] > 0.5
+    assert jumped["float8/second/inputs/amax_ratio"][0] > 10
+    assert jumped["float8/first/inputs/saturation"][0] < 0.05  # not the layer before it
+    assert jumped["float8/second/history_nonfinite"] == [0.0]
+    probe = monitor.history[-1]["float8"]["second"]["inputs"]
+    assert set(probe) == {"saturation", "underflow", "amax_ratio", "current_underflow", "mx_underflow"}

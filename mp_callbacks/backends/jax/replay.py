@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from mp_callbacks._backend import keras
-from mp_callbacks._keras_internals import replaced_on_instance
+from mp_callbacks._keras_internals import called_method, replaced_on_instance
 from mp_callbacks.backends.common.replay import LayerCall, Replay
 
 __all__ = ["LayerCall", "Replay", "is_traced", "replay"]
@@ -72,7 +72,11 @@ def _recorded(
 
     with contextlib.ExitStack() as stack:
         for layer in layers:
-            stack.enter_context(replaced_on_instance(layer, {"call": wrap(layer, layer.call)}))
+            stack.enter_context(
+                replaced_on_instance(
+                    layer, {called_method(layer): wrap(layer, getattr(layer, called_method(layer)))}
+                )
+            )
         yield
 
 
