@@ -57,7 +57,7 @@ class Finding:
         kind: `"output_dtype"`, `"low_precision_output_op"`,
             `"float16_activity_regularizer"`,
             `"float_index_input"`, `"tensor_core_alignment"`,
-            `"missing_loss_scale"`, or `"not_checked"` (what the check could
+            `"missing_loss_scale"`, `"low_precision_variable"`, or `"not_checked"` (what the check could
             not see, such as a subclassed model's own `call`).
         message: what is wrong and what to do.
         layers: every layer the finding is about.
@@ -290,7 +290,12 @@ def check_model(model: keras.Model) -> list[Finding]:
       normalization, activation, cropping and padding layers) are not
       reported;
     * float16 computation with no loss scale (also a `train_step` of your
-      own that, once traced, is known never to scale its loss).
+      own that, once traced, is known never to scale its loss);
+    * trainable variables held in float16 or bfloat16 (a custom layer's
+      `add_weight(dtype=...)`, LoRA adapters on older Keras): an update
+      smaller than the variable's rounding step (2**-8 of it in bfloat16)
+      is lost, so they stop learning; mixed precision keeps variables in
+      float32 and computes in low precision.
 
     A subclassed model's tracked sub-models (a VAE's encoder and decoder)
     are checked too, and a `"not_checked"` finding says what could not be
@@ -306,7 +311,45 @@ def check_model(model: keras.Model) -> list[Finding]:
     findings = _check(model)
     if any(_compute_dtype(layer) == "float16" for layer in _low_precision_layers(all_layers(model))):
         findings += _loss_scale_findings(model)
-    return findings
+    return findings + _low_precision_variable_findings(model)
+
+
+def _low_precision_variable_findings(model: keras.Model) -> list[Finding]:
+    """Trainable variables stored in float16 or bfloat16, by the path of
+    the layer that holds them."""
+    by_layer: dict[str, list[str]] = {}
+    for variable in model.trainable_variables:
+        dtype = keras.backend.standardize_dtype(variable.dtype)
+        if dtype in _LOW_PRECISION:
+            owner, _, name = variable.path.rpartition("/")
+            by_layer.setdefault(owner or model.name, []).append(f"{name} ({dtype})")
+    held = sum(len(names) for names in by_layer.values())
+    if held and held == len(model.trainable_variables) and len(by_layer) > 1:
+        # Every variable: a low-precision variable policy ("bfloat16"), one finding.
+        return [
+            Finding(
+                model.name,
+                "low_precision_variable",
+                f"all {held} of its trainable variables are kept in low precision (a dtype policy "
+                "such as 'bfloat16' instead of 'mixed_bfloat16'): an update smaller than a "
+                "variable's rounding step (2**-8 of its value in bfloat16) is lost, so training "
+                "stalls. A mixed policy stores the variables in float32 and computes in low precision.",
+                tuple(by_layer),
+            )
+        ]
+    return [
+        Finding(
+            name,
+            "low_precision_variable",
+            f"it keeps trainable variables in low precision: {', '.join(variables)}. An update "
+            "smaller than such a variable's rounding step (2**-8 of its value in bfloat16, 2**-11 "
+            "in float16) is lost, so it stops learning. Create them in float32 "
+            "(add_weight(dtype='float32'), or leave dtype unset: a mixed policy stores variables "
+            "in float32 and casts them where it computes).",
+            (name,),
+        )
+        for name, variables in by_layer.items()
+    ]
 
 
 def _low_precision_layers(layers: Any) -> list[Any]:

@@ -377,3 +377,29 @@ def test_a_float8_layers_inputs_saturating_after_a_jump_are_named_with_the_share
     assert jumped["float8/second/history_nonfinite"] == [0.0]
     probe = monitor.history[-1]["float8"]["second"]["inputs"]
     assert set(probe) == {"saturation", "underflow", "amax_ratio", "current_underflow", "mx_underflow"}
+
+
+# --------------------------------------------------------------- check_model
+class BFloat16Adapter(keras.layers.Layer):
+    """A LoRA-like adapter whose weight is created in bfloat16."""
+
+    def build(self, input_shape):
+        self.a = self.add_weight(shape=(input_shape[-1], 2), dtype="bfloat16", name="lora_a")
+
+    def call(self, x):
+        return keras.ops.matmul(x, keras.ops.cast(self.a, x.dtype))
+
+
+def test_check_model_names_trainable_variables_kept_in_low_precision():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    inputs = keras.Input((4,))
+    adapted = BFloat16Adapter(name="adapter")(keras.layers.Dense(4, name="dense")(inputs))
+    model = mp.MixedPrecisionModel(inputs, keras.layers.Dense(1, dtype="float32", name="head")(adapted))
+    findings = [f for f in mp.check_model(model) if f.kind == "low_precision_variable"]
+    assert [(f.layer, f.layers) for f in findings] == [("adapter", ("adapter",))]
+    assert "lora_a (bfloat16)" in findings[0].message
+    keras.config.set_dtype_policy("bfloat16")  # every variable: one finding for the model
+    inputs = keras.Input((4,))
+    model = mp.MixedPrecisionModel(inputs, keras.layers.Dense(1)(keras.layers.Dense(4)(inputs)), name="pure")
+    findings = [f for f in mp.check_model(model) if f.kind == "low_precision_variable"]
+    assert [f.layer for f in findings] == ["pure"] and "mixed_bfloat16" in findings[0].message
