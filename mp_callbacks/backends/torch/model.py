@@ -19,6 +19,7 @@ from mp_callbacks._backend import keras
 from mp_callbacks._float8 import gradient_state
 from mp_callbacks._keras_internals import call_has_training_arg, compute_loss, loss_tracker
 from mp_callbacks._model_building import LOG_KEYS
+from mp_callbacks._unscale import overwrites_with_gradient
 from mp_callbacks.backends.common.model import VariableScaleModel, scaler_from_argument
 from mp_callbacks.backends.torch import step as torch_step
 from mp_callbacks.backends.torch.loss_scale_optimizer import LossScaleOptimizer
@@ -62,6 +63,17 @@ class MixedPrecisionModel(VariableScaleModel):
             object.__setattr__(self, "_mp_tensors", cached)
         return cached[1]
 
+    def _mp_float8_of(self, weights: list[Any]) -> tuple[bool, list[int]]:
+        """Whether float8 state is among `weights`, and the positions of the
+        output-gradient state (`_float8.gradient_state`), looked up once per
+        list of weights, as `_mp_tensors_of` does."""
+        key = tuple(id(weight) for weight in weights)
+        cached = self.__dict__.get("_mp_float8")
+        if cached is None or cached[0] != key:
+            cached = (key, any(overwrites_with_gradient(w) for w in weights), gradient_state(weights))
+            object.__setattr__(self, "_mp_float8", cached)
+        return cached[1], cached[2]
+
     def train_step(self, data: Any) -> dict[str, Any]:
         """Keras's torch step, loss-scaled and skipped as one: check once,
         decide once (one host read), write or keep, update the scale's state."""
@@ -76,14 +88,17 @@ class MixedPrecisionModel(VariableScaleModel):
         weights = self.trainable_weights[:]
         if weights:
             scaling.scale(loss).backward()
-        grads = scaling.unscale([w.value.grad for w in weights], weights)
-        outcome = scaling.check(grads, loss, weights)
+        float8_state, following = self._mp_float8_of(weights)
+        # The variables only where float8 state is among them: each is then
+        # looked at once per step (torch runs this Python every step).
+        grads = scaling.unscale([w.value.grad for w in weights], weights if float8_state else None)
+        outcome = scaling.check(grads, loss, weights if float8_state else None)
         scaling.apply_if_finite(outcome, self.optimizer, grads, weights)
         scaling.commit(outcome, forward)
         if not scaling.applies(outcome):
             # A copy of the counter (the scale's update writes it in place): no host read.
             self.keep_skipped_batch((x, y, sample_weight), self._mp_state["step_count"].value.clone())
-        following = gradient_state(weights) if self.float8_follows_loss_scale and scaling.active else []
+        following = following if self.float8_follows_loss_scale and scaling.active else []
         scale_before = scaling.value.clone() if following else None  # finish writes it in place
         logs = scaling.finish(outcome, batch_size)
         if following:
