@@ -557,3 +557,31 @@ def test_gradient_accumulation_in_a_hand_written_loop(through):
         stock.apply(tape.gradient(loss, [reference]), [reference])
     np.testing.assert_allclose(variable.numpy(), reference.numpy(), rtol=1e-6)
     assert not np.array_equal(variable.numpy(), [1.0, 1.0])
+
+
+def test_an_adopted_gpt2_fits_a_dataset_smaller_than_the_default_batch():
+    # KerasHub 0.32, TensorFlow: 4 samples with batch_size left at 32 made
+    # the gated update's trace fail inside Keras's all-reduce ("All
+    # custom_gradient outputs should be from the same graph"); the step now
+    # skips by a tf.cond there instead.
+    keras_hub = pytest.importorskip("keras_hub")
+    keras.mixed_precision.set_global_policy("float32")
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=64,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=16,
+    )
+    model = mp.MixedPrecisionModel.from_model(
+        keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    )
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x = {
+        "token_ids": rng.integers(0, 64, size=(4, 16)).astype("int32"),
+        "padding_mask": np.ones((4, 16), "int32"),
+    }
+    history = model.fit(x, rng.integers(0, 64, size=(4, 16)), verbose=0).history
+    assert np.isfinite(history["loss"][0]) and history["skipped_steps"] == [0.0]

@@ -387,6 +387,15 @@ def gated_apply(
         probe = tf.function(update, autograph=False).get_concrete_function()
     except _NotGatable:
         return False
+    except ValueError:
+        # The throwaway graph cannot hold every update: a sparse gradient
+        # of unknown batch size reaches Keras's all-reduce (a
+        # tf.custom_gradient) with parts from the step's graph, which
+        # TensorFlow refuses there ("All custom_gradient outputs should be
+        # from the same graph": a tied embedding, 4 samples in a batch of
+        # 32). The caller skips by a tf.cond instead, as for any update
+        # this module cannot gate.
+        return False
     if not _writes_only_through(probe.graph, ours, counter_handle["name"]):
         return False
     update()
