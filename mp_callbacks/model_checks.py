@@ -270,8 +270,9 @@ def _alignment_findings(
 def check_model(model: keras.Model) -> list[Finding]:
     """Checks a model for mixed-precision mistakes; returns the findings.
 
-    * a model output that is not float32 under a mixed policy (softmax
-      outputs must be float32);
+    * a softmax, sigmoid or normalization output that is not float32 under
+      a mixed policy (a linear output, such as logits, is no mistake: Keras
+      3's losses compute in float32 whatever the output's dtype);
     * a softmax, sigmoid or normalization computed in float16/bfloat16 that
       feeds the loss: it produces a model output, directly or through
       pass-through layers (a float32 `Activation("linear")` cast after a
@@ -380,11 +381,11 @@ def _check(model: keras.Model) -> list[Finding]:
             continue
         operation = _saturating_operation(layer)
         if operation is None:
-            remedy = (
-                "give this layer dtype='float32', or add keras.layers.Activation('linear', "
-                "dtype='float32') after it, so the loss is computed in float32."
-            )
-        elif operation in _SQUASHING:
+            # Linear outputs (logits, a regression): Keras 3's losses convert
+            # y_pred to float32 before computing (byte for byte the loss of
+            # float32-cast outputs), so a float16 output is not a mistake.
+            continue
+        if operation in _SQUASHING:
             # A float32 cast after it would not do: the squashing itself
             # must run in float32.
             remedy = (
