@@ -30,6 +30,7 @@ from mp_callbacks._keras_internals import (
     has_layer_graph,
     layer_dtype_policy,
     replaced_on_instance,
+    seed_generators_of,
     set_layer_dtype_policy,
 )
 from mp_callbacks._layer_labels import layer_labels
@@ -522,8 +523,6 @@ def _bfloat16_precision_loss(
     (`layer_selection.own_precision_loss`); none without bfloat16 layers."""
     if not any(record.compute_dtype == "bfloat16" for record in ordered):
         return {}
-    from mp_callbacks.layer_selection import own_precision_loss  # (it builds on this module)
-
     try:
         measured = own_precision_loss(model, x)
     except Exception as error:  # advice, not the diagnosis
@@ -725,3 +724,97 @@ def _report(
         reference_max={name: out for name, (_, out) in reference.items()},
         gradient_max={r.name: r.gradient_max for r in ordered if r.gradient_max is not None},
     )
+
+
+# ------------------------------------------------- precision against float32
+_LOW_PRECISION = ("float16", "bfloat16")
+
+
+def _norm(x: Any) -> float:
+    """The Euclidean norm over every element (any rank)."""
+    return float(keras.ops.sqrt(keras.ops.sum(keras.ops.square(x))))
+
+
+def _relative_error(ours: list[Any], reference: list[Any]) -> float:
+    worst = 0.0
+    for a, b in zip(ours, reference):
+        a = keras.ops.cast(a, "float32")
+        b = keras.ops.cast(b, "float32")
+        if not (bool(keras.ops.all(keras.ops.isfinite(a))) and bool(keras.ops.all(keras.ops.isfinite(b)))):
+            continue  # overflow is judged by the diagnosis
+        scale = _norm(b)
+        difference = _norm(a - b)
+        if scale == 0.0:
+            scale = max(_norm(a), 1e-30)
+        worst = max(worst, difference / scale)
+    return worst
+
+
+def _is_floating(value: Any) -> bool:
+    return keras.ops.is_tensor(value) and "float" in keras.backend.standardize_dtype(value.dtype)
+
+
+def _floating(structure: Any) -> list[Any]:
+    return [t for t in keras.tree.flatten(structure) if _is_floating(t)]
+
+
+def _to_float32(structure: Any) -> Any:
+    return keras.tree.map_structure(
+        lambda t: keras.ops.cast(t, "float32") if _is_floating(t) else t, structure
+    )
+
+
+class PrecisionLoss(NamedTuple):
+    """What one low-precision layer's own computation loses against the
+    same computation in float32 on the same inputs."""
+
+    dtype: str  #: the layer's compute dtype
+    error: float  #: relative L2 error of its outputs
+    underflow: float  #: share of the float32 outputs' nonzero values that came out 0
+
+
+def _underflow(ours: list[Any], reference: list[Any]) -> float:
+    flushed = total = 0
+    for a, b in zip(ours, reference):
+        nonzero = keras.ops.not_equal(keras.ops.cast(b, "float32"), 0.0)
+        zero = keras.ops.equal(keras.ops.cast(a, "float32"), 0.0)
+        total += int(keras.ops.sum(keras.ops.cast(nonzero, "int32")))
+        flushed += int(keras.ops.sum(keras.ops.cast(keras.ops.logical_and(nonzero, zero), "int32")))
+    return flushed / total if total else 0.0
+
+
+def own_precision_loss(model: keras.Model, x: Any, training: bool = True) -> dict[str, PrecisionLoss]:
+    """Layer label (`_layer_labels`) -> `PrecisionLoss`: each low-precision
+    layer's outputs against the same layer computed in float32 on the
+    inputs it received in a pass of `x` (in training mode, as in `fit`, or
+    in inference); the worst over its calls. Layers that compute in
+    float32, and layers that draw random numbers, are left out. The state
+    the passes change (BatchNormalization's statistics) is put back."""
+    state = list(model.non_trainable_variables)
+    saved = [keras.ops.copy(v.value) for v in state]  # copies: JAX donates the buffers it trains on
+    calls: list[tuple[Any, tuple, dict]] = []
+    losses: dict[str, PrecisionLoss] = {}
+    labels = layer_labels(model)
+    try:
+        with recording_layers(model, arguments=calls) as records:
+            model(x, training=training)
+        for (layer, args, kwargs), (_, _, outputs) in zip(calls, records):
+            dtype = getattr(layer, "compute_dtype", "float32")
+            if dtype not in _LOW_PRECISION or not outputs:
+                continue
+            inner = all_layers(layer, include_self=True)
+            if any(seed_generators_of(sub) for sub in inner):
+                continue  # a replay would draw other random numbers
+            with computing_in_float32(model, layers=inner):
+                reference = _floating(layer(*_to_float32(args), **_to_float32(kwargs)))
+            label = labels.get(id(layer), layer.name)
+            previous = losses.get(label, PrecisionLoss(dtype, 0.0, 0.0))
+            losses[label] = PrecisionLoss(
+                dtype,
+                max(previous.error, _relative_error(outputs, reference)),
+                max(previous.underflow, _underflow(_floating(outputs), reference)),
+            )
+    finally:
+        for variable, value in zip(state, saved):
+            variable.assign(value)
+    return losses

@@ -25,18 +25,19 @@ import contextlib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from mp_callbacks._backend import keras
-from mp_callbacks._keras_internals import all_layers, seed_generators_of
+from mp_callbacks._keras_internals import all_layers
 from mp_callbacks._layer_labels import layer_labels, layers_labelled
 from mp_callbacks.diagnosis import (
     MAX_RELATIVE_ERROR,
+    PrecisionLoss,
     computing_in_float32,
     diagnose_batch,
-    recording_layers,
+    own_precision_loss,
 )
 
 __all__ = [
@@ -85,96 +86,6 @@ def pinned(model: keras.Model, names: Sequence[str]) -> Iterator[None]:
     ]
     with computing_in_float32(model, layers=layers):
         yield
-
-
-def _norm(x: Any) -> float:
-    """The Euclidean norm over every element (any rank)."""
-    return float(keras.ops.sqrt(keras.ops.sum(keras.ops.square(x))))
-
-
-def _relative_error(ours: list[Any], reference: list[Any]) -> float:
-    worst = 0.0
-    for a, b in zip(ours, reference):
-        a = keras.ops.cast(a, "float32")
-        b = keras.ops.cast(b, "float32")
-        if not (bool(keras.ops.all(keras.ops.isfinite(a))) and bool(keras.ops.all(keras.ops.isfinite(b)))):
-            continue  # overflow is judged by the diagnosis
-        scale = _norm(b)
-        difference = _norm(a - b)
-        if scale == 0.0:
-            scale = max(_norm(a), 1e-30)
-        worst = max(worst, difference / scale)
-    return worst
-
-
-def _is_floating(value: Any) -> bool:
-    return keras.ops.is_tensor(value) and "float" in keras.backend.standardize_dtype(value.dtype)
-
-
-def _floating(structure: Any) -> list[Any]:
-    return [t for t in keras.tree.flatten(structure) if _is_floating(t)]
-
-
-def _to_float32(structure: Any) -> Any:
-    return keras.tree.map_structure(
-        lambda t: keras.ops.cast(t, "float32") if _is_floating(t) else t, structure
-    )
-
-
-class PrecisionLoss(NamedTuple):
-    """What one low-precision layer's own computation loses against the
-    same computation in float32 on the same inputs."""
-
-    dtype: str  #: the layer's compute dtype
-    error: float  #: relative L2 error of its outputs
-    underflow: float  #: share of the float32 outputs' nonzero values that came out 0
-
-
-def _underflow(ours: list[Any], reference: list[Any]) -> float:
-    flushed = total = 0
-    for a, b in zip(ours, reference):
-        nonzero = keras.ops.not_equal(keras.ops.cast(b, "float32"), 0.0)
-        zero = keras.ops.equal(keras.ops.cast(a, "float32"), 0.0)
-        total += int(keras.ops.sum(keras.ops.cast(nonzero, "int32")))
-        flushed += int(keras.ops.sum(keras.ops.cast(keras.ops.logical_and(nonzero, zero), "int32")))
-    return flushed / total if total else 0.0
-
-
-def own_precision_loss(model: keras.Model, x: Any, training: bool = True) -> dict[str, PrecisionLoss]:
-    """Layer label (`_layer_labels`) -> `PrecisionLoss`: each low-precision
-    layer's outputs against the same layer computed in float32 on the
-    inputs it received in a pass of `x` (in training mode, as in `fit`, or
-    in inference); the worst over its calls. Layers that compute in
-    float32, and layers that draw random numbers, are left out. The state
-    the passes change (BatchNormalization's statistics) is put back."""
-    state = list(model.non_trainable_variables)
-    saved = [keras.ops.copy(v.value) for v in state]  # copies: JAX donates the buffers it trains on
-    calls: list[tuple[Any, tuple, dict]] = []
-    losses: dict[str, PrecisionLoss] = {}
-    labels = layer_labels(model)
-    try:
-        with recording_layers(model, arguments=calls) as records:
-            model(x, training=training)
-        for (layer, args, kwargs), (_, _, outputs) in zip(calls, records):
-            dtype = getattr(layer, "compute_dtype", "float32")
-            if dtype not in _LOW_PRECISION or not outputs:
-                continue
-            inner = all_layers(layer, include_self=True)
-            if any(seed_generators_of(sub) for sub in inner):
-                continue  # a replay would draw other random numbers
-            with computing_in_float32(model, layers=inner):
-                reference = _floating(layer(*_to_float32(args), **_to_float32(kwargs)))
-            label = labels.get(id(layer), layer.name)
-            previous = losses.get(label, PrecisionLoss(dtype, 0.0, 0.0))
-            losses[label] = PrecisionLoss(
-                dtype,
-                max(previous.error, _relative_error(outputs, reference)),
-                max(previous.underflow, _underflow(_floating(outputs), reference)),
-            )
-    finally:
-        for variable, value in zip(state, saved):
-            variable.assign(value)
-    return losses
 
 
 def own_relative_errors(model: keras.Model, x: Any) -> dict[str, float]:

@@ -201,13 +201,6 @@ def test_lowest_scale_latch_keeps_a_collapse_that_recovered():
     assert loss_scale.diagnostics()["lowest_scale"] == 32.0
 
 
-def test_legacy_state_names_restore():
-    loss_scale = LossScaler()
-    loss_scale.set_state({"skipped_count": np.int64(5), "divergent_count": np.int64(2)})
-    state = loss_scale.diagnostics()
-    assert state["skipped_steps"] == 5 and state["divergent_steps"] == 2
-
-
 def test_one_table_names_every_state_key():
     names = [spec.name for spec in mp.loss_scale.STATE_VARIABLES]
     loss_scale = LossScaler()
