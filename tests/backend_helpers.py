@@ -38,3 +38,23 @@ def state(model):
 def values(model):
     """The same, in order (paths differ between two models' names)."""
     return list(state(model).values())
+
+
+def float8_model(cls=keras.Model):
+    """Dense "f8" made float8 (`quantize("float8")`), a float32 head; seeded."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    dense = keras.layers.Dense(8, name="f8")
+    outputs = keras.layers.Dense(2, dtype="float32", name="head")(dense(inputs))
+    model = cls(inputs, outputs)
+    dense.quantize("float8")
+    return model
+
+
+def float8_state(model):
+    """A float8 layer's scales and amax histories, by path, in NumPy."""
+    return {
+        v.path: np.array(v.numpy())
+        for v in model.trainable_variables
+        if getattr(v, "overwrite_with_gradient", False)
+    }

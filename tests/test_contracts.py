@@ -8,6 +8,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from backend_helpers import float8_model
 from helpers import NaNGradientDense, classification_data
 
 import mp_callbacks as mp
@@ -56,26 +57,12 @@ def test_wrapped_optimizer_with_a_factor_compiles_into_the_model_without_double_
 
 
 # ------------------------------------------------------------------ float8
-def _float8_model(cls):
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((8,))
-    dense = keras.layers.Dense(8, name="f8")
-    outputs = keras.layers.Dense(2, dtype="float32", name="head")(dense(inputs))
-    model = cls(inputs, outputs)
-    dense.quantize("float8")
-    return model
-
-
-def _float8_state(model):
-    return {
-        v.path: v.numpy() for v in model.trainable_variables if getattr(v, "overwrite_with_gradient", False)
-    }
 
 
 def test_grad_norm_leaves_out_float8_state_variables():
     # Their "gradients" are the new scale and history values, not gradients.
     keras.config.set_dtype_policy("float32")
-    model = _float8_model(mp.MixedPrecisionModel)
+    model = float8_model(mp.MixedPrecisionModel)
     model.compile(keras.optimizers.SGD(0.0), "mse")
     rng = np.random.default_rng(2)
     x = rng.normal(size=(8, 8)).astype("float32")
@@ -98,7 +85,7 @@ def test_grad_norm_leaves_out_float8_state_variables():
 
 def test_float8_state_passes_the_optimizer_wrapper_unscaled():
     keras.config.set_dtype_policy("mixed_float16")
-    model = _float8_model(keras.Model)
+    model = float8_model(keras.Model)
     loss_fn = keras.losses.MeanSquaredError()
     optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.01))
     x = tf.constant(np.random.default_rng(1).normal(size=(8, 8)).astype("float32"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
+from backend_helpers import float8_model, float8_state
 
 import mp_callbacks as mp
 
@@ -14,24 +15,6 @@ BACKEND = keras.backend.backend()
 
 
 # ------------------------------------------------------------------ float8
-def _float8_model(cls):
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((8,))
-    dense = keras.layers.Dense(8, name="f8")
-    outputs = keras.layers.Dense(2, dtype="float32", name="head")(dense(inputs))
-    model = cls(inputs, outputs)
-    dense.quantize("float8")
-    return model
-
-
-def _float8_state(model):
-    return {
-        v.path: np.array(v.numpy())
-        for v in model.trainable_variables
-        if getattr(v, "overwrite_with_gradient", False)
-    }
-
-
 def test_float8_scales_and_histories_train_as_in_stock_keras_under_float16():
     # Their "gradients" are their next values: never unscaled, never optimized.
     keras.config.set_dtype_policy("mixed_float16")
@@ -40,10 +23,10 @@ def test_float8_scales_and_histories_train_as_in_stock_keras_under_float16():
     y = rng.normal(size=(32, 2)).astype("float32")
     states, norms = [], None
     for cls in (keras.Model, mp.MixedPrecisionModel):
-        model = _float8_model(cls)
+        model = float8_model(cls)
         model.compile(keras.optimizers.SGD(0.01), "mse")
         history = model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False).history
-        states.append(_float8_state(model))
+        states.append(float8_state(model))
         norms = history.get("grad_norm")
     stock, ours = states
     assert set(stock) == set(ours) and "f8/inputs_scale" in ours and "f8/outputs_grad_amax_history" in ours
@@ -146,15 +129,15 @@ def test_a_dropped_model_and_its_optimizer_are_freed_as_in_a_search():
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
 def test_no_inf_or_nan_enters_a_float8_history_and_one_written_in_is_repaired_at_fit(policy):
     keras.config.set_dtype_policy(policy)
-    model = _float8_model(mp.MixedPrecisionModel)
+    model = float8_model(mp.MixedPrecisionModel)
     model.compile(keras.optimizers.SGD(0.01), "mse")
     x, y = np.ones((16, 8), "float32"), np.ones((16, 2), "float32")
     model.fit(x, y, batch_size=8, verbose=0)
-    before = _float8_state(model)
+    before = float8_state(model)
     x[:8] = np.nan  # the first step's gradients, and so its new amax values, are NaN
     history = model.fit(x, y, batch_size=8, verbose=0, shuffle=False).history
     assert history["skipped_steps"] == [1.0]
-    after = _float8_state(model)
+    after = float8_state(model)
     assert all(np.isfinite(value).all() for value in after.values())
     history_path = "f8/inputs_amax_history"
     assert not np.array_equal(after[history_path], before[history_path])  # the good step wrote it
@@ -173,16 +156,16 @@ def test_float8_gradient_state_follows_a_loss_scale_back_off(follows):
     # The output-gradient scale and history hold scaled gradients' values:
     # after the scale halves, they halve too (False: stock Keras's footing).
     keras.config.set_dtype_policy("mixed_float16")
-    model = _float8_model(mp.MixedPrecisionModel)
+    model = float8_model(mp.MixedPrecisionModel)
     model.float8_follows_loss_scale = follows
     model.compile(keras.optimizers.SGD(0.01), "mse")
     x = np.random.default_rng(0).normal(size=(16, 8)).astype("float32")
     model.fit(x[:8], np.zeros((8, 2), "float32"), batch_size=8, verbose=0)
-    before = _float8_state(model)
+    before = float8_state(model)
     # Targets of 1e4: the float16 layer's scaled gradient overflows; skipped.
     history = model.fit(x[8:], np.full((8, 2), 1e4, "float32"), batch_size=8, verbose=0).history
     assert history["skipped_steps"] == [1.0] and history["loss_scale"] == [2.0**14]
-    after = _float8_state(model)
+    after = float8_state(model)
     factor = 0.5 if follows else 1.0
     for name in ("f8/outputs_grad_scale", "f8/outputs_grad_amax_history"):
         assert before[name].max() > 0
