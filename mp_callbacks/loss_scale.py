@@ -48,7 +48,7 @@ from mp_callbacks._scale_state import (
 from mp_callbacks._unscale import unscale
 from mp_callbacks._validation import FLOAT32_MAX
 from mp_callbacks.backends.tensorflow import step as tf_step
-from mp_callbacks.backends.tensorflow.step_record import StepRecord
+from mp_callbacks.backends.tensorflow.step_record import StepRecord, StepTraces
 from mp_callbacks.backends.tensorflow.unscale_stage import stage_of
 
 __all__ = [
@@ -184,6 +184,9 @@ class LossScaler(ScaleConfig, tf.Module):
         # Whether the last recorded step scaled its loss (None: none traced yet).
         self._scaling_seen: bool | None = None
         self._warned_optimizers: set[int] = set()
+        # What the step remembers while traced (not a tf.Module attribute
+        # to walk: it holds no variable).
+        self._traces = StepTraces()
 
     # ----------------------------------------------------------------- build
     @property

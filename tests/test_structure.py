@@ -206,3 +206,18 @@ def test_a_private_keras_name_in_a_backend_is_found(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("def step(model):\n    return model._update_metrics_variables, model._mp_state\n")
     assert _foreign_private_names(probe, _defined_attributes()) == ["probe.py:2 ._update_metrics_variables"]
+
+
+def test_the_library_keeps_no_thread_local_tables():
+    """What a step remembers while traced is held by its object (the
+    scaler's `StepTraces`), so it dies with it: no module-level
+    `threading.local()` keyed by object ids."""
+    found = [
+        f"{path.relative_to(PACKAGE)}:{node.lineno}"
+        for path in _modules()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute)
+        and node.attr == "local"
+        and getattr(node.value, "id", "") == "threading"
+    ]
+    assert found == []

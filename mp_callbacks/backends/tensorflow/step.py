@@ -11,15 +11,14 @@ state machine (`_scale_state.transition`) advanced once, now or at the
 `update()` that ends a step of several optimizers.
 
 A training step that a `MixedPrecisionModel` records (`recording`) defers
-the state update to its end (`finish_step`). Records and pending applies
-are kept per thread: MirroredStrategy traces each replica's step in a
-thread of its own.
+the state update to its end (`finish_step`). The record and the pending
+applies are held by the scaler (`step_record.StepTraces`), per thread:
+MirroredStrategy traces each replica's step in a thread of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -38,7 +37,6 @@ from mp_callbacks._validation import fail
 from mp_callbacks.backends.tensorflow import skip
 from mp_callbacks.backends.tensorflow.skip import apply_or_skip
 from mp_callbacks.backends.tensorflow.step_record import StepRecord
-from mp_callbacks.backends.tensorflow.unscale_stage import clear_stage
 from mp_callbacks.errors import MixedPrecisionWarning
 
 __all__ = [
@@ -57,60 +55,38 @@ __all__ = [
 # convert there, and some TensorFlow releases mis-convert it.
 _no_autograph = tf.autograph.experimental.do_not_convert
 _OWNER = "LossScaler"
-_THREAD_STATE = threading.local()
 
 #: One apply awaiting the state update: its variables, its flags (one per
 #: variable, then the loss), and its decision when it took no all-reduce.
 Entry = tuple[list[Any], Any, Any]
 
 
-def _per_thread(name: str) -> dict[int, Any]:
-    """A dict of this thread's own, for trace-time state keyed by object id."""
-    table = getattr(_THREAD_STATE, name, None)
-    if table is None:
-        table = {}
-        setattr(_THREAD_STATE, name, table)
-    return table
-
-
-def _current_graph() -> Any:
-    """The graph being traced, or None when executing eagerly."""
-    return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-
-
 # ------------------------------------------------------------ step records
 def record_of(scaler: Any) -> StepRecord | None:
     """The training step being traced, when a MixedPrecisionModel records it."""
-    return _per_thread("records").get(id(scaler))
+    return scaler._traces.record()
 
 
 def pending_of(scaler: Any) -> list[Entry]:
-    """Applies awaiting one `update()`, of the graph being traced: entries
-    left by a trace that failed belong to no step and are dropped."""
-    graph = _current_graph()
-    table = _per_thread("pending")
-    entry = table.get(id(scaler))
-    if entry is None or entry[0] is not graph:
-        entry = table[id(scaler)] = (graph, [])
-    return entry[1]
+    """Applies of the graph being traced awaiting one `update()`."""
+    return scaler._traces.this_thread().pending
 
 
 @contextlib.contextmanager
 def recording(scaler: Any) -> Iterator[StepRecord]:
     """Records one training step (see `step_record`): while open, applies
     defer the state update to `finish_step`."""
-    records = _per_thread("records")
-    outer = records.get(id(scaler))
-    records[id(scaler)] = record = StepRecord()
+    trace = scaler._traces.this_thread()
+    outer = trace.record
+    trace.record = record = StepRecord()
     try:
         yield record
     finally:
-        records[id(scaler)] = outer
+        trace.record = outer
         if outer is None:
             # A step that raised (a bug in its metric code, Ctrl-C) left
             # its applies pending: nothing of it may reach the next step.
-            _per_thread("pending").pop(id(scaler), None)
-            clear_stage(scaler)
+            scaler._traces.end_step()
 
 
 def finish_step(scaler: Any, record: StepRecord) -> None:
@@ -187,7 +163,7 @@ def apply_unscaled(
     entry = (variables, flags, applied if replicas == 1 else None)
     if update_now:
         _advance(scaler, [entry])
-        clear_stage(scaler)  # the step ends here
+        scaler._traces.end_step()  # the step ends here
     else:
         pending_of(scaler).append(entry)
     return applied
@@ -271,7 +247,7 @@ def update(scaler: Any) -> None:
     entries = list(pending)
     pending.clear()
     _advance(scaler, entries)
-    clear_stage(scaler)
+    scaler._traces.end_step()
 
 
 def _advance(scaler: Any, entries: list[Entry]) -> None:

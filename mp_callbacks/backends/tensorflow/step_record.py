@@ -12,12 +12,14 @@ trace and Python flags, never a value read from the device.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 from mp_callbacks._backend import tf
 
-__all__ = ["StepRecord"]
+__all__ = ["StepRecord", "StepTraces"]
 
 
 @dataclass
@@ -67,3 +69,46 @@ class StepRecord:
         else:
             norm = tf.sqrt(tf.add_n([tf.square(n) for n in self.norms]))
         return norm * self.norm_factor if self.norm_factor != 1 else norm
+
+
+class _ThreadTrace:
+    """One thread's trace of a scaler's step."""
+
+    def __init__(self) -> None:
+        self.record: StepRecord | None = None
+        # What the entries below belong to: "eager", or a weak reference
+        # to the graph being traced (a failed trace's leftovers belong to
+        # no step, and a graph must not outlive its trace for them).
+        self.key: Any = None
+        self.pending: list[Any] = []
+        self.stage: Any = None
+
+
+class StepTraces:
+    """What a `LossScaler`'s step remembers while it is traced, held by the
+    scaler so that it dies with it: the open record, the applies awaiting
+    one state update, the gradients unscaled by hand. One set per thread:
+    MirroredStrategy traces each replica's step in a thread of its own."""
+
+    def __init__(self) -> None:
+        self._by_thread: dict[int, _ThreadTrace] = {}
+
+    def this_thread(self) -> _ThreadTrace:
+        """This thread's trace, emptied of another graph's leftovers."""
+        trace = self._by_thread.setdefault(threading.get_ident(), _ThreadTrace())
+        key = "eager" if tf.executing_eagerly() else weakref.ref(tf.compat.v1.get_default_graph())
+        if trace.key != key:
+            trace.key, trace.pending, trace.stage = key, [], None
+        return trace
+
+    def record(self) -> StepRecord | None:
+        trace = self._by_thread.get(threading.get_ident())
+        return None if trace is None else trace.record
+
+    def end_step(self) -> None:
+        """Drops the pending applies and the unscale stage (a step's end, or
+        a step that raised)."""
+        trace = self._by_thread.get(threading.get_ident())
+        if trace is not None:
+            trace.pending = []
+            trace.stage = None

@@ -11,24 +11,19 @@ Otherwise those applies unscale the gradients themselves.
 same gradients twice before they are applied raises, naming what to do.
 
 Like GradScaler's per-optimizer stage (ready / unscaled / stepped), the
-stage lives as long as the step: one per traced graph (a failed trace leaves
-nothing behind) and per thread (MirroredStrategy traces each replica in a
-thread of its own); a step's end (`LossScaler.update`, or the end of a
-recorded training step) clears it.
+stage lives as long as the step, held by the scaler (`StepTraces`): one per
+traced graph (a failed trace leaves nothing behind) and per thread
+(MirroredStrategy traces each replica in a thread of its own); a step's end
+(`LossScaler.update`, or the end of a recorded training step) clears it.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mp_callbacks._backend import tf
-
-__all__ = ["UnscaleStage", "clear_stage", "stage_of"]
-
-_THREAD_STATE = threading.local()
+__all__ = ["UnscaleStage", "stage_of"]
 
 _TWICE = (
     "LossScaler.unscale: these gradients were already unscaled in this step ({what}). A step's "
@@ -102,24 +97,9 @@ class UnscaleStage:
             self.tensors.clear()
 
 
-def _current_graph() -> Any:
-    return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-
-
 def stage_of(scaler: Any) -> UnscaleStage:
     """The stage of `scaler` in the graph being traced (or eagerly)."""
-    table = getattr(_THREAD_STATE, "stages", None)
-    if table is None:
-        table = _THREAD_STATE.stages = {}
-    graph = _current_graph()
-    entry = table.get(id(scaler))
-    if entry is None or entry[0] is not graph:
-        entry = table[id(scaler)] = (graph, UnscaleStage())
-    return entry[1]
-
-
-def clear_stage(scaler: Any) -> None:
-    """Ends the step's stage (its end, or a step that raised)."""
-    table = getattr(_THREAD_STATE, "stages", None)
-    if table is not None:
-        table.pop(id(scaler), None)
+    trace = scaler._traces.this_thread()
+    if trace.stage is None:
+        trace.stage = UnscaleStage()
+    return trace.stage
