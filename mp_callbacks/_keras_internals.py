@@ -390,6 +390,13 @@ def called_method(layer: Any) -> str:
     return "quantized_call" if getattr(layer, "quantization_mode", None) else "call"
 
 
+def computes_float8(layer: Any) -> bool:
+    """Whether the layer's class has float8 arithmetic (`Layer._float8_call`
+    overridden: `Dense`, `EinsumDense`); any other layer given a float8
+    policy fails at its first call."""
+    return type(layer)._float8_call is not keras.layers.Layer._float8_call
+
+
 @contextlib.contextmanager
 def replaced_on_instance(obj: Any, replacements: dict[str, Any]) -> Iterator[None]:
     """Sets `replacements` as attributes of `obj` itself for the duration,
@@ -633,6 +640,11 @@ INTERNALS = (
         "Optimizer._variables",
         "backends/jax/loss_scale_optimizer.py (its own state, apart from the inner optimizer's)",
         lambda: optimizer_own_variables(keras.optimizers.SGD())[0].path.endswith("iteration"),
+    ),
+    Internal(
+        "Layer._float8_call (the float8 arithmetic a quantizable layer overrides)",
+        "model_checks.py (a float8 policy on a layer Keras does not quantize)",
+        lambda: computes_float8(keras.layers.Dense(1)) and not computes_float8(keras.layers.Conv1D(1, 1)),
     ),
     Internal(
         "Layer._seed_generators",

@@ -12,6 +12,7 @@ import numpy as np
 from mp_callbacks._backend import keras
 from mp_callbacks._keras_internals import (
     all_layers,
+    computes_float8,
     has_layer_graph,
     inbound_tensors,
     output_layers,
@@ -57,7 +58,8 @@ class Finding:
         kind: `"output_dtype"`, `"low_precision_output_op"`,
             `"float16_activity_regularizer"`,
             `"float_index_input"`, `"tensor_core_alignment"`,
-            `"missing_loss_scale"`, `"low_precision_variable"`, or `"not_checked"` (what the check could
+            `"missing_loss_scale"`, `"low_precision_variable"`, `"float16_result"`,
+            `"float8_unsupported_layer"`, or `"not_checked"` (what the check could
             not see, such as a subclassed model's own `call`).
         message: what is wrong and what to do.
         layers: every layer the finding is about.
@@ -296,7 +298,18 @@ def check_model(model: keras.Model) -> list[Finding]:
       `add_weight(dtype=...)`, LoRA adapters on older Keras): an update
       smaller than the variable's rounding step (2**-8 of it in bfloat16)
       is lost, so they stop learning; mixed precision keeps variables in
-      float32 and computes in low precision.
+      float32 and computes in low precision;
+    * integer ids cast to float16/bfloat16 by a nested model built without
+      an `Input` of its own (a `Sequential([Embedding(...)])` inside
+      another model): Keras makes its input the policy's float dtype, so
+      id 999 looks up row 1000 in bfloat16;
+    * a float16 result where no layer computes in float16: with
+      `floatx` bfloat16, Keras types an integer tensor combined with a
+      Python float as float16 (`ops.add(ids, 0.5)`), which overflows past
+      65504;
+    * a float8 dtype policy on a layer Keras does not quantize to float8
+      (only `Dense` and `EinsumDense` have float8 arithmetic): the model
+      builds, and its first training step fails.
 
     A subclassed model's tracked sub-models (a VAE's encoder and decoder)
     are checked too, and a `"not_checked"` finding says what could not be
@@ -310,9 +323,66 @@ def check_model(model: keras.Model) -> list[Finding]:
         A list of `Finding`s.
     """
     findings = _check(model)
-    if any(_compute_dtype(layer) == "float16" for layer in _low_precision_layers(all_layers(model))):
+    layers = all_layers(model)
+    if any(_compute_dtype(layer) == "float16" for layer in layers):
         findings += _loss_scale_findings(model)
-    return findings + _low_precision_variable_findings(model)
+    else:
+        findings += _float16_result_findings([model, *layers])
+    return findings + _low_precision_variable_findings(model) + _float8_unsupported_findings(layers)
+
+
+def _float16_result_findings(models: list[Any]) -> list[Finding]:
+    """Operations whose result is float16 in a model where no layer
+    computes in float16 (keras-team/keras#23712), by walking each graph
+    back from its outputs."""
+    findings: dict[str, Finding] = {}
+    for model in models:
+        if not has_layer_graph(model):
+            continue
+        frontier = list(getattr(model, "outputs", None) or [])
+        seen: set[int] = set()
+        while frontier:
+            tensor = frontier.pop()
+            producer = producing_layer(tensor)
+            if producer is None or id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            frontier.extend(inbound_tensors(producer))
+            if (
+                keras.backend.standardize_dtype(tensor.dtype) != "float16"
+                or isinstance(producer, keras.layers.InputLayer)  # a dtype the user chose
+                or producer.name in findings
+            ):
+                continue
+            findings[producer.name] = Finding(
+                producer.name,
+                "float16_result",
+                f"it gives a float16 result ({type(producer).__name__}) although no layer computes "
+                f"in float16: with floatx {keras.config.floatx()!r}, Keras types an integer tensor "
+                "combined with a Python float as float16 (ops.add(ids, 0.5)), which overflows "
+                "past 65504 and rounds to 11 bits. Cast the integer tensor to the float dtype "
+                "first: ops.cast(ids, keras.config.floatx()).",
+                (producer.name,),
+            )
+    return list(findings.values())
+
+
+def _float8_unsupported_findings(layers: list[Any]) -> list[Finding]:
+    """Layers given a float8 dtype policy that Keras cannot run in float8."""
+    return [
+        Finding(
+            layer.name,
+            "float8_unsupported_layer",
+            f"it has the float8 policy {layer.dtype_policy.name!r}, but Keras has no float8 "
+            f"arithmetic for {type(layer).__name__} (only Dense and EinsumDense): the model "
+            "builds, and its first call in training fails with NotImplementedError. Give it "
+            "the mixed policy instead (dtype='mixed_bfloat16' or 'mixed_float16') and quantize "
+            'the Dense and EinsumDense layers with model.quantize("float8").',
+            (layer.name,),
+        )
+        for layer in layers
+        if getattr(layer.dtype_policy, "quantization_mode", None) == "float8" and not computes_float8(layer)
+    ]
 
 
 def _low_precision_variable_findings(model: keras.Model) -> list[Finding]:
@@ -557,6 +627,16 @@ def _float_index_findings(layers: list[Any]) -> list[Finding]:
             seen.add(id(tensor))
             cast = cast or (dtype if dtype in _LOW_PRECISION else None)
             producer = producing_layer(tensor)
+            nested = _nested_model_with_input(producer, layers)
+            if nested is not None:
+                # The input of a model inside this one: its ids come from
+                # where the nested model is called.
+                outer = inbound_tensors(nested)
+                if cast is not None and any("int" in keras.backend.standardize_dtype(t.dtype) for t in outer):
+                    findings.append(_nested_cast_finding(nested, host, lookups[0], cast))
+                    break
+                frontier.extend((t, cast) for t in outer)
+                continue
             if isinstance(producer, keras.layers.InputLayer):
                 if cast is not None:
                     findings.append(
@@ -575,3 +655,33 @@ def _float_index_findings(layers: list[Any]) -> list[Finding]:
                 continue
             frontier.extend((t, cast) for t in inbound_tensors(producer))
     return findings
+
+
+def _nested_model_with_input(producer: Any, layers: list[Any]) -> Any:
+    """The nested model among `layers`, called in the outer graph, whose
+    own input `producer` is (an InputLayer), or None."""
+    if not isinstance(producer, keras.layers.InputLayer):
+        return None
+    for layer in layers:
+        if (
+            isinstance(layer, keras.Model)
+            and has_layer_graph(layer)
+            and inbound_tensors(layer)
+            and any(producing_layer(t) is producer for t in getattr(layer, "inputs", None) or [])
+        ):
+            return layer
+    return None
+
+
+def _nested_cast_finding(nested: Any, host: Any, lookup: Any, cast: str) -> Finding:
+    return Finding(
+        nested.name,
+        "float_index_input",
+        f"the nested model {nested.name!r} gets integer ids but has no integer keras.Input of "
+        f"its own: Keras made its input {cast} and casts the ids to {cast} before the "
+        f"{type(lookup).__name__} in {host.name!r}, where ids above {_EXACT_FLOAT_IDS[cast]} "
+        f"are rounded to other ids (id 999 looks up row 1000 in bfloat16). Start "
+        f"{nested.name!r} with keras.Input(shape, dtype='int32'), for a Sequential: "
+        "keras.Sequential([keras.Input(shape, dtype='int32'), ...]).",
+        (nested.name, host.name),
+    )

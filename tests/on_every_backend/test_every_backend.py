@@ -386,3 +386,47 @@ def test_check_model_names_trainable_variables_kept_in_low_precision():
     model = mp.MixedPrecisionModel(inputs, keras.layers.Dense(1)(keras.layers.Dense(4)(inputs)), name="pure")
     findings = [f for f in mp.check_model(model) if f.kind == "low_precision_variable"]
     assert [f.layer for f in findings] == ["pure"] and "mixed_bfloat16" in findings[0].message
+
+
+def test_check_model_names_the_traps_of_bfloat16_ids_and_float8_policies():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    ids = keras.Input((3,), dtype="int32")
+    # A nested Sequential without an Input of its own casts the ids: 999 looks up row 1000.
+    inner = keras.Sequential([keras.layers.Embedding(1200, 4, name="lookup")], name="inner")
+    model = mp.MixedPrecisionModel(ids, keras.layers.Dense(2, dtype="float32")(inner(ids)))
+    rows = keras.ops.convert_to_numpy(
+        keras.ops.cast(inner(np.array([[999, 0, 0]], "int32"))[0, 0], "float32")
+    )
+    table = keras.ops.convert_to_numpy(inner.layers[0].embeddings)
+    np.testing.assert_allclose(rows, table[1000], rtol=1e-2)
+    found = [(f.kind, f.layers) for f in mp.check_model(model)]
+    assert found == [("float_index_input", ("inner", "lookup"))]
+    fixed = keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(1200, 4)])
+    assert (
+        mp.check_model(mp.MixedPrecisionModel(ids, keras.layers.Dense(2, dtype="float32")(fixed(ids)))) == []
+    )
+    # float8 on a layer Keras does not quantize: it builds, then fails in training.
+    images = keras.Input((6, 6, 2))
+    conv = keras.layers.Conv2D(2, 3, dtype="float8_from_mixed_bfloat16", name="conv")
+    head = keras.layers.Dense(1, dtype="float32")(keras.layers.Flatten()(conv(images)))
+    model = mp.MixedPrecisionModel(images, head)
+    assert [(f.kind, f.layer) for f in mp.check_model(model)] == [("float8_unsupported_layer", "conv")]
+    with pytest.raises(NotImplementedError):
+        conv(np.ones((1, 6, 6, 2), "float32"))
+    dense = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(4), keras.layers.Dense(1, dtype="float32")]
+    )
+    dense.quantize("float8")
+    assert mp.check_model(dense) == []
+    # With floatx bfloat16, integer ids plus a Python float are typed float16 (keras#23712).
+    keras.config.set_dtype_policy("float32")
+    keras.config.set_floatx("bfloat16")
+    try:
+        shifted = keras.ops.add(ids, 0.5)
+        assert keras.backend.standardize_dtype(shifted.dtype) == "float16"
+        found = [(f.kind, f.layer) for f in mp.check_model(keras.Model(ids, keras.layers.Dense(2)(shifted)))]
+        assert found == [("float16_result", shifted._keras_history[0].name)]
+        cast_first = keras.ops.add(keras.ops.cast(ids, "bfloat16"), 0.5)
+        assert mp.check_model(keras.Model(ids, keras.layers.Dense(2)(cast_first))) == []
+    finally:
+        keras.config.set_floatx("float32")
