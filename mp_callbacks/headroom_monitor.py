@@ -1,17 +1,20 @@
-"""`HeadroomMonitor`: each float16 layer's activation range, watched before
-it overflows."""
+"""`HeadroomMonitor`: each low-precision layer's limits on a probe batch:
+float16's range before it overflows, bfloat16's lost precision, float8's
+saturation and underflow."""
 
 from __future__ import annotations
 
 import logging
 import math
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 from mp_callbacks._backend import keras
 from mp_callbacks._callback_support import MixedPrecisionCallback
 from mp_callbacks._float8 import float8_figures, float8_layers
 from mp_callbacks._keras_internals import global_seed_generator_state
+from mp_callbacks._layer_epoch_plot import DEFAULT_FIGURES, FIGURES, layer_epoch_tables, plot_tables
 from mp_callbacks._validation import check_int, check_real, fail
 from mp_callbacks.diagnosis import dtype_max, layer_output_ranges
 from mp_callbacks.errors import MixedPrecisionWarning
@@ -367,6 +370,55 @@ class HeadroomMonitor(MixedPrecisionCallback):
             MixedPrecisionWarning,
             stacklevel=3,
         )
+
+    def plot(
+        self, path: str, figures: Sequence[str] | None = None
+    ) -> dict[str, tuple[list[str], list[int], Any]]:
+        """Draws each figure as a heat map of layer (rows) by epoch
+        (columns), the epoch's highest value as the logs hold it, and saves
+        it to `path` (.png, .svg or .pdf). Needs matplotlib
+        (`pip install "mp_callbacks[plot]"`).
+
+        Args:
+            path: str. The file to write.
+            figures: list of str or None. Among `"headroom"` (float16),
+                `"bfloat16/error"`, `"bfloat16/underflow"`,
+                `"float8/saturation"`, `"float8/underflow"`,
+                `"float8/amax_ratio"`, `"float8/current_underflow"`,
+                `"float8/mx_underflow"`, `"float8/history_nonfinite"`
+                (float8 rows are a layer's tensor: `dense/inputs`).
+                Defaults to None: the first four, those with values.
+
+        Returns:
+            What was drawn: for each figure, its rows, its epochs (from 0,
+            as `fit` counts them) and the rows x epochs NumPy array (NaN
+            where a row has no value).
+
+        Raises:
+            ValueError: nothing probed yet, an unknown figure, or no value
+                for any figure asked.
+            ImportError: matplotlib is not installed.
+        """
+        chosen = tuple(figures) if figures is not None else DEFAULT_FIGURES
+        unknown = [f for f in chosen if f not in FIGURES]
+        if isinstance(figures, str) or unknown:
+            fail("HeadroomMonitor.plot", "figures", figures, f"a list of names among {list(FIGURES)}")
+        if not self.history:
+            raise ValueError("HeadroomMonitor.plot: nothing probed yet; call it after fit().")
+        tables = layer_epoch_tables(self.history, chosen)
+        if not tables:
+            raise ValueError(
+                f"HeadroomMonitor.plot: no layer has a value for figures={list(chosen)} (the "
+                "model's layers compute in other formats)."
+            )
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as error:
+            raise ImportError(
+                'HeadroomMonitor.plot needs matplotlib: pip install "mp_callbacks[plot]"'
+            ) from error
+        plot_tables(tables, path)
+        return tables
 
     def _shared_by_copies(self) -> list[Any]:
         # A target model is the user's: copies probe it, not a copy of it.

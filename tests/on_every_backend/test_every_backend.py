@@ -293,7 +293,7 @@ class NaiveVariance(keras.layers.Layer):
         return keras.ops.mean(x * x, axis=-1, keepdims=True) - mean * mean
 
 
-def test_the_bfloat16_layer_that_loses_precision_is_named_and_not_its_neighbours():
+def test_the_bfloat16_layer_that_loses_precision_is_named_and_not_its_neighbours(tmp_path):
     keras.config.set_dtype_policy("mixed_bfloat16")
     keras.utils.set_random_seed(0)
     inputs = keras.Input((16,))
@@ -314,12 +314,24 @@ def test_the_bfloat16_layer_that_loses_precision_is_named_and_not_its_neighbours
     assert "bfloat16 precision lost: variance" in str(report)
     monitor = mp.HeadroomMonitor(probe=x[:4])
     with pytest.warns(mp.MixedPrecisionWarning, match="'variance' computes in bfloat16") as caught:
-        logs = model.fit(x, np.ones((16, 1), "float32"), batch_size=8, verbose=0, callbacks=[monitor]).history
+        logs = model.fit(
+            x, np.ones((16, 1), "float32"), batch_size=8, epochs=2, verbose=0, callbacks=[monitor]
+        ).history
     named = {str(w.message).split("'")[1] for w in caught if "computes in bfloat16" in str(w.message)}
     assert named == {"variance"}
     assert logs["bfloat16/variance/error"][0] > 0.05
     assert all(logs[f"bfloat16/{name}/error"][0] < 0.05 for name in ("before", "after", "features"))
     assert set(monitor.history[-1]["bfloat16"]["variance"]) == {"error", "underflow"}
+    # The plot of layer by epoch draws what the logs hold.
+    drawn = monitor.plot(str(tmp_path / "bfloat16.png"))
+    rows, epochs, table = drawn["bfloat16/error"]
+    assert set(drawn) == {"bfloat16/error"} and epochs == [0, 1] and "variance" in rows
+    np.testing.assert_allclose(table[rows.index("variance")], logs["bfloat16/variance/error"])
+    assert (tmp_path / "bfloat16.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="no layer has a value"):
+        monitor.plot(str(tmp_path / "none.png"), figures=["float8/saturation"])
+    with pytest.raises(ValueError, match=r"`figures` must be .*received figures=\['error'\]"):
+        monitor.plot(str(tmp_path / "none.png"), figures=["error"])
 
 
 # ----------------------------------------------------------- float8 visible
@@ -333,7 +345,7 @@ class Gain(keras.layers.Layer):
         return x * keras.ops.cast(self.gain, x.dtype)
 
 
-def test_a_float8_layers_inputs_saturating_after_a_jump_are_named_with_the_share():
+def test_a_float8_layers_inputs_saturating_after_a_jump_are_named_with_the_share(tmp_path):
     keras.config.set_dtype_policy("mixed_bfloat16")
     keras.utils.set_random_seed(0)
     inputs = keras.Input((8,))
@@ -360,6 +372,9 @@ def test_a_float8_layers_inputs_saturating_after_a_jump_are_named_with_the_share
     assert jumped["float8/second/history_nonfinite"] == [0.0]
     probe = monitor.history[-1]["float8"]["second"]["inputs"]
     assert set(probe) == {"saturation", "underflow", "amax_ratio", "current_underflow", "mx_underflow"}
+    rows, _, table = monitor.plot(str(tmp_path / "float8.png"))["float8/saturation"]
+    assert rows == ["first/inputs", "first/kernel", "second/inputs", "second/kernel"]
+    assert table[2, 0] == jumped["float8/second/inputs/saturation"][0]
 
 
 # --------------------------------------------------------------- check_model
