@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -44,6 +44,7 @@ class CandidateSpec:
     args: list[Any] = field(default_factory=list)
     float32_layers: list[str] = field(default_factory=list)
     initial_scale: float | None = None
+    float8_layers: list[str] = field(default_factory=list)
     weights: str = ""
     data: str = ""
     batch_size: int = 32
@@ -78,11 +79,16 @@ def build_model(
     args: list[Any],
     float32_layers: list[str],
     initial_scale: float | None,
+    float8_layers: Sequence[str] = (),
+    weights: list[np.ndarray] | None = None,
 ) -> Any:
     """`build(*args)` under `policy`, made a `MixedPrecisionModel` when it is
     functional or Sequential (so that float16 gets loss scaling), with the
-    pinned layers in float32 and the initial loss scale, compiled (Adam,
-    sparse categorical cross-entropy and accuracy when it was not)."""
+    pinned layers in float32, the `weights` (the unquantized model's), the
+    `float8_layers` (labels: names, or paths where names repeat) then
+    quantized to float8 and the initial loss scale,
+    compiled (Adam, sparse categorical cross-entropy and accuracy when it
+    was not)."""
     from mp_callbacks import LossScaler, MixedPrecisionModel  # this backend's
     from mp_callbacks._backend import keras
     from mp_callbacks._keras_internals import has_layer_graph
@@ -102,6 +108,12 @@ def build_model(
             compile_config["optimizer"] = type(optimizer).from_config(optimizer.get_config())
         if not isinstance(model, MixedPrecisionModel) and (has_layer_graph(model)):
             model = MixedPrecisionModel.from_model(model)
+        if weights is not None:
+            model.set_weights(weights)
+        if float8_layers:
+            from mp_callbacks.precision_plan import quantize_float8
+
+            quantize_float8(model, float8_layers)
         if compile_config is None:
             compile_config = {
                 "optimizer": keras.optimizers.Adam(),
@@ -168,20 +180,26 @@ class Trainer:
         }
 
 
-def _trainer(spec: CandidateSpec) -> Trainer:
+def _trainer(spec: CandidateSpec, build: Callable[..., Any] | None = None) -> Trainer:
     from mp_callbacks._backend import keras
 
-    keras.utils.set_random_seed(spec.seed)
-    model = build_model(
-        load_function(spec.target), spec.policy, spec.args, spec.float32_layers, spec.initial_scale
-    )
-    with np.load(spec.data) as data:
-        arrays = {k: data[k] for k in data.files}
     weights = None
     if spec.weights:
         with np.load(spec.weights) as stored:
             weights = [stored[f"arr_{i}"] for i in range(len(stored.files))]
-    return Trainer(model, arrays, spec.batch_size, weights)
+    keras.utils.set_random_seed(spec.seed)
+    model = build_model(
+        build or load_function(spec.target),
+        spec.policy,
+        spec.args,
+        spec.float32_layers,
+        spec.initial_scale,
+        spec.float8_layers,
+        weights,
+    )
+    with np.load(spec.data) as data:
+        arrays = {k: data[k] for k in data.files}
+    return Trainer(model, arrays, spec.batch_size, None)
 
 
 class LocalCandidate:
@@ -190,18 +208,7 @@ class LocalCandidate:
 
     def __init__(self, spec: CandidateSpec, build: Callable[..., Any] | None = None) -> None:
         self.spec = spec
-        if build is None:
-            self.trainer = _trainer(spec)
-        else:
-            from mp_callbacks._backend import keras
-
-            keras.utils.set_random_seed(spec.seed)
-            model = build_model(build, spec.policy, spec.args, spec.float32_layers, spec.initial_scale)
-            with np.load(spec.data) as data:
-                arrays = {k: data[k] for k in data.files}
-            with np.load(spec.weights) as stored:
-                weights = [stored[f"arr_{i}"] for i in range(len(stored.files))]
-            self.trainer = Trainer(model, arrays, spec.batch_size, weights)
+        self.trainer = _trainer(spec, build)
 
     def request(self, command: dict[str, Any]) -> dict[str, Any]:
         if command["cmd"] == "train":

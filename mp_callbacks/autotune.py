@@ -34,6 +34,7 @@ from mp_callbacks._candidate import (
     build_model,
     load_function,
 )
+from mp_callbacks._float8_candidates import FLOAT8_MAX_ERROR, FLOAT8_MAX_SATURATION, float8_layer_verdicts
 from mp_callbacks._keras_internals import all_layers
 from mp_callbacks._samples import as_samples, sample_count, shapes, take, to_entries
 from mp_callbacks._validation import check_int, check_real, fail
@@ -250,7 +251,16 @@ def autotune(
             the plan is the best of them. A list forces the candidates: the
             plan is the best of those (float32 only if listed) whatever
             their speed here (preparing a GPU run on a laptop); float32 is
-            timed beside them for the report.
+            timed beside them for the report. `"float8"` in the list (tried
+            by default where every GPU has float8 units) makes float8 a
+            per-layer candidate within each mixed policy: a `Dense` or
+            `EinsumDense` layer is quantized (`quantize("float8")`) only
+            where, measured on its own, it is clearly faster in float8 on
+            this device, its output differs from the unquantized layer's
+            by at most 5 % (relative error) and at most 5 % of its
+            inputs or kernel saturate;
+            the side-by-side proof then includes those layers. The plan's
+            reasons give each layer's measured figures.
         steps: the most training steps of the proof, per candidate.
             Defaults to None: 200 (or two epochs of `x`, if fewer).
         time_budget: seconds the proof may take at most, after its first
@@ -288,6 +298,7 @@ def autotune(
     seed = check_int(_OWNER, "seed", seed, low=0)
     forced = policies is not None
     _check_policies(policies)
+    try_float8 = "float8" in (policies or ())
     target, build_function = _resolve_build(build)
     if in_subprocess is None:
         in_subprocess = target is not None
@@ -311,7 +322,10 @@ def autotune(
 
     if hardware is None:
         hardware = inspect_hardware(measure=not forced)
-    candidate_policies, notes = _candidate_policies(policies, hardware)
+    try_float8 = try_float8 or (policies is None and hardware.float8_units)
+    candidate_policies, notes = _candidate_policies(
+        None if policies is None else [p for p in policies if p != "float8"], hardware
+    )
     n_diagnosis = min(_DIAGNOSIS_BATCH_SIZE, batch_size)
     diagnosis_batches = [
         (take(x_train, slice(i, i + n_diagnosis)), y_train[i : i + n_diagnosis])
@@ -332,7 +346,9 @@ def autotune(
             continue
         try:
             evidence.append(
-                _layer_evidence(policy, build_function, list(build_args), weights, diagnosis_batches, seed)
+                _layer_evidence(
+                    policy, build_function, list(build_args), weights, diagnosis_batches, seed, try_float8
+                )
             )
         except Exception as error:  # one candidate that cannot run is dropped, not the call
             dropped.append(_dropped(policy, "finding its float32 layers", error))
@@ -360,11 +376,20 @@ def autotune(
 def _check_policies(policies: Sequence[str] | None) -> None:
     if policies is None:
         return
+    allowed = ", ".join((*POLICIES, "float8"))
     if isinstance(policies, str) or not list(policies):
-        fail(_OWNER, "policies", policies, f"None or a non-empty list from {', '.join(POLICIES)}")
-    unknown = [p for p in policies if p not in POLICIES]
+        fail(_OWNER, "policies", policies, f"None or a non-empty list from {allowed}")
+    unknown = [p for p in policies if p not in (*POLICIES, "float8")]
     if unknown:
-        fail(_OWNER, "policies", list(policies), f"policies from {', '.join(POLICIES)}")
+        fail(_OWNER, "policies", list(policies), f"policies from {allowed}")
+    if "float8" in policies and not any(p.startswith("mixed_") for p in policies):
+        fail(
+            _OWNER,
+            "policies",
+            list(policies),
+            "a list with a mixed policy beside 'float8' (float8 is a per-layer candidate "
+            "within a mixed policy: add 'mixed_bfloat16' or 'mixed_float16')",
+        )
 
 
 def _reference_weights(
@@ -399,9 +424,16 @@ def _candidate_policies(policies: Sequence[str] | None, hardware: Any) -> tuple[
 
 
 def _layer_evidence(
-    policy: str, build_function: Callable, build_args: list, weights: list, batches: list, seed: int
+    policy: str,
+    build_function: Callable,
+    build_args: list,
+    weights: list,
+    batches: list,
+    seed: int,
+    try_float8: bool = False,
 ) -> dict[str, Any]:
-    """One candidate's layers to keep in float32, found on `batches`."""
+    """One candidate's layers to keep in float32, found on `batches`, and
+    with `try_float8` those to quantize to float8 (`_float8_candidates`)."""
     began = time.monotonic()
     keras.utils.set_random_seed(seed)
     model = build_model(build_function, policy, build_args, [], None)
@@ -419,10 +451,25 @@ def _layer_evidence(
         ),
         time.monotonic() - began,
     )
+    float8: dict[str, dict[str, Any]] = {}
+    if try_float8:
+        float8 = {
+            label: entry
+            for label, entry in float8_layer_verdicts(model, batches[0][0], policy).items()
+            if label not in selection.layers
+        }
+        logger.info(
+            "autotune: %s: float8: %s",
+            policy,
+            "; ".join(f"{label} {entry['verdict']}" for label, entry in float8.items())
+            or "no layer to quantize",
+        )
     return {
         "policy": policy,
         "listed": True,
         "float32_layers": selection.layers,
+        "float8": float8,
+        "float8_layers": [label for label, entry in float8.items() if entry["verdict"] == "passes"],
         "reasons": selection.reasons,
         "dropped": selection.dropped,
         "initial_scale": selection.initial_scale,
@@ -468,6 +515,7 @@ def _plan_from(
             f"speed against float32, measured on {device}: {chosen.get('speed_text', 'n/a')} "
             "(the candidates were listed, so it does not override the choice)."
         )
+    reasons += _float8_reasons(chosen)
     reasons += notes
     return PrecisionPlan(
         policy=policy,
@@ -478,7 +526,30 @@ def _plan_from(
         candidates=[_public(c) for c in evidence + dropped],
         measured_on=device,
         interrupted=interrupted,
+        float8_layers=list(chosen.get("float8_layers", [])) if not interrupted else [],
     )
+
+
+def _float8_reasons(chosen: dict[str, Any]) -> list[str]:
+    """One sentence on the float8 layers of the chosen policy: those it
+    quantizes, and each one left out with its measured figures."""
+    measured = chosen.get("float8") or {}
+    if not measured:
+        return []
+    kept = chosen.get("float8_layers", [])
+    left = [
+        f"{label} ({entry['verdict']}; error {entry['error']:.1%})"
+        for label, entry in measured.items()
+        if label not in kept
+    ]
+    sentence = (
+        f"float8 (thresholds: faster, error <= {FLOAT8_MAX_ERROR:.0%}, saturation <= "
+        f"{FLOAT8_MAX_SATURATION:.0%}): "
+        + (f"quantized {', '.join(kept)}" if kept else "no layer quantized")
+        + (f"; left out: {'; '.join(left)}" if left else "")
+        + "."
+    )
+    return [sentence]
 
 
 def _resolve_build(build: Any) -> tuple[str | None, Callable[..., Any]]:
@@ -570,6 +641,8 @@ def _public(candidate: dict[str, Any]) -> dict[str, Any]:
         "verdict",
         "notes",
         "selection_seconds",
+        "float8",
+        "float8_layers",
     )
     return {k: candidate[k] for k in keep if k in candidate}
 
@@ -618,6 +691,7 @@ def _prove(
                     args=build_args,
                     float32_layers=candidate["float32_layers"],
                     initial_scale=candidate["initial_scale"],
+                    float8_layers=candidate.get("float8_layers", []),
                     weights=weights_path,
                     data=data_path,
                     batch_size=batch_size,

@@ -81,6 +81,11 @@ class GPUInfo:
         """Ampere (8.0) and newer run bfloat16 on Tensor Cores."""
         return self.compute_capability is not None and self.compute_capability >= (8, 0)
 
+    @property
+    def float8_units(self) -> bool:
+        """Ada (8.9), Hopper (9.0) and newer have float8 Tensor Cores."""
+        return self.compute_capability is not None and self.compute_capability >= (8, 9)
+
     def as_dict(self) -> dict[str, Any]:
         cc = self.compute_capability
         return {
@@ -88,6 +93,7 @@ class GPUInfo:
             "compute_capability": f"{cc[0]}.{cc[1]}" if cc else None,
             "float16_tensor_cores": self.float16_tensor_cores,
             "fast_bfloat16": self.fast_bfloat16,
+            "float8_units": self.float8_units,
         }
 
 
@@ -138,6 +144,11 @@ class HardwareReport:
     @property
     def measured(self) -> dict[str, float] | None:
         return None if self.speed is None else self.speed.ratios
+
+    @property
+    def float8_units(self) -> bool:
+        """Every GPU has float8 Tensor Cores (a CPU has none)."""
+        return bool(self.gpus) and all(g.float8_units for g in self.gpus)
 
     @property
     def expected_fast_policies(self) -> list[str]:

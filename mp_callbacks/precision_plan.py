@@ -21,7 +21,7 @@ from mp_callbacks._keras_internals import all_layers, has_layer_graph
 from mp_callbacks._validation import fail
 from mp_callbacks.hardware import POLICIES
 
-__all__ = ["PrecisionPlan", "pin_float32"]
+__all__ = ["PrecisionPlan", "pin_float32", "quantize_float8"]
 
 _OWNER = "PrecisionPlan"
 
@@ -43,6 +43,22 @@ def pin_float32(model: Any, names: Iterable[str]) -> None:
         for layer in all_layers(by_name[name], include_self=True):
             if getattr(layer.dtype_policy, "quantization_mode", None) is None:
                 layer.dtype_policy = float32
+
+
+def quantize_float8(model: Any, labels: Iterable[str]) -> None:
+    """Quantizes the labelled layers (names, or paths where a name repeats)
+    to float8, in place (`Layer.quantize("float8")`: Dense, EinsumDense)."""
+    from mp_callbacks._layer_labels import layers_labelled
+
+    labels = list(labels)
+    found = layers_labelled(model, labels)
+    unknown = [label for label, layers in found.items() if not layers]
+    if unknown:
+        fail(_OWNER, "float8_layers", unknown, "names (or paths) of the model's Dense and EinsumDense layers")
+    for layers in found.values():
+        for layer in layers:
+            if getattr(layer, "quantization_mode", None) is None:
+                layer.quantize("float8")
 
 
 def _check_names(model: Any, names: Iterable[str]) -> dict[str, Any]:
@@ -82,6 +98,11 @@ class PrecisionPlan:
             pinned layers and why, step time, speed-up and its spread,
             validation metric, skipped steps, divergence). Defaults to none.
         measured_on: the device the speed was measured on.
+        float8_layers: labels (names, or paths where a name repeats) of
+            the `Dense` and `EinsumDense` layers to quantize to float8
+            (`layer.quantize("float8")`), each measured faster in float8 on
+            this device with its error and saturation under `autotune`'s
+            thresholds. Defaults to none.
 
     Example:
 
@@ -108,6 +129,7 @@ class PrecisionPlan:
     candidates: list[dict[str, Any]] = field(default_factory=list)
     measured_on: str = ""
     interrupted: bool = False
+    float8_layers: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -117,6 +139,11 @@ class PrecisionPlan:
         ):
             fail(_OWNER, "float32_layers", self.float32_layers, "a list of layer names", TypeError)
         self.float32_layers = list(self.float32_layers)
+        if isinstance(self.float8_layers, str) or not all(
+            isinstance(name, str) for name in self.float8_layers
+        ):
+            fail(_OWNER, "float8_layers", self.float8_layers, "a list of layer names", TypeError)
+        self.float8_layers = list(self.float8_layers)
         if self.initial_scale is not None and not (
             isinstance(self.initial_scale, (int, float))
             and math.isfinite(self.initial_scale)
@@ -137,9 +164,9 @@ class PrecisionPlan:
     def apply(self, model: keras.Model) -> keras.Model:
         """A copy of `model` with the plan applied: every layer under
         `policy` except those `layer_dtypes` lists (and `float32_layers`,
-        float32), the same weights, compiled like the original (a fresh
-        optimizer of the same configuration), with the plan's initial loss
-        scale. A `.keras` save and load keeps the pinned layers float32.
+        float32), the same weights, the `float8_layers` quantized, compiled
+        like the original (a fresh optimizer of the same configuration),
+        with the plan's initial loss scale. A `.keras` save and load keeps the pinned layers float32.
 
         Args:
             model: `keras.Model`. A functional or Sequential model (a
@@ -179,6 +206,8 @@ class PrecisionPlan:
         # A nested model's input in float32: its layers cast it to what they compute in.
         set_nested_dtypes(config.get("layers", []), input_dtype="float32")
         clone = rebuilt(model, config, type(model), policy_for, global_policy=self.policy)
+        if self.float8_layers:  # before compiling, as Keras asks
+            quantize_float8(clone, self.float8_layers)
         if getattr(model, "compiled", False) and getattr(model, "optimizer", None) is not None:
             compile_config = keras.saving.deserialize_keras_object(model.get_compile_config())
             optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
@@ -197,6 +226,8 @@ class PrecisionPlan:
         lines = [f'keras.mixed_precision.set_global_policy("{self.policy}")  # before building the model']
         if self.float32_layers:
             lines.append(f"model = mp.with_float32_layers(model, {self.float32_layers!r})")
+        for name in self.float8_layers:
+            lines.append(f'model.get_layer("{name}").quantize("float8")')
         if self.initial_scale is not None:
             scale = f"mp.LossScaler(initial_scale={self.initial_scale:g})"
             lines.append(f"model = mp.MixedPrecisionModel.from_model(model, loss_scale={scale})")

@@ -45,12 +45,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _policy_list(text: str) -> list[str]:
+def _policy_list(text: str, allowed: tuple[str, ...] = POLICIES) -> list[str]:
     policies = [p for p in text.split(",") if p]
     for policy in policies:
-        if policy not in POLICIES:
-            raise argparse.ArgumentTypeError(f"unknown policy {policy!r}: choose from {', '.join(POLICIES)}")
+        if policy not in allowed:
+            raise argparse.ArgumentTypeError(f"unknown policy {policy!r}: choose from {', '.join(allowed)}")
     return policies
+
+
+def _candidate_list(text: str) -> list[str]:
+    """tune's candidates: the policies, and float8 (per layer, within a mixed policy)."""
+    return _policy_list(text, (*POLICIES, "float8"))
 
 
 def _model_spec(text: str) -> str:
@@ -177,10 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--policies",
         nargs="+",
         metavar="POLICY",
-        type=_policy_list,
+        type=_candidate_list,
         help="the candidates (space or comma separated); the plan is the best of these, "
         "whatever their speed here, and float32 is timed beside them (default: float32 "
-        "and every mixed policy the probe does not measure as emulated)",
+        "and every mixed policy the probe does not measure as emulated); float8 adds "
+        "per-layer float8 within each mixed policy, for the layers measured faster in it",
     )
     tune.add_argument("--dataset", default="synthetic", help="as for bench")
     tune.add_argument(

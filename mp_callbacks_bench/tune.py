@@ -50,11 +50,16 @@ def run_tune(
     preset: Preset = QUICK_TUNE if quick else {}
     text = model or preset.get("model", "mlp")
     spec = parse_model_spec(text)
+    candidates = (*POLICIES, "float8")  # float8: per layer, within a mixed policy
     for policy in policies or ():
-        if policy not in POLICIES:
-            raise BenchError(f"unknown policy {policy!r}: choose from {', '.join(POLICIES)}")
+        if policy not in candidates:
+            raise BenchError(f"unknown policy {policy!r}: choose from {', '.join(candidates)}")
+    if policies and "float8" in policies and not any(p.startswith("mixed_") for p in policies):
+        raise BenchError(
+            "--policies float8 needs a mixed policy beside it: float8 is a per-layer candidate within one"
+        )
     settings = BenchSettings(
-        policies=list(policies or POLICIES),
+        policies=[p for p in policies or POLICIES if p != "float8"],
         model=text,
         dataset=dataset,
         batch_size=batch_size,

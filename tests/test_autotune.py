@@ -117,6 +117,50 @@ def test_a_healthy_model_gets_no_pinned_layer(inputs):
     assert plan.candidates[0]["verdict"] == "reference"  # timed beside, not a candidate
 
 
+def _float8_plan():
+    x, y = _data()
+    return mp.autotune(
+        healthy_model,
+        x,
+        y,
+        policies=["mixed_bfloat16", "float8"],
+        steps=10,
+        batch_size=32,
+        in_subprocess=False,
+    )
+
+
+def test_float8_measured_slower_here_stays_out_of_the_plan_with_its_figures():
+    # No CPU has float8 units: Keras fake-quantizes there, which only adds work.
+    plan = _float8_plan()
+    assert plan.policy == "mixed_bfloat16" and plan.float8_layers == []
+    measured = plan.candidates[1]["float8"]
+    assert list(measured) == ["dense"]  # the float32 head is not a candidate
+    assert measured["dense"]["speed"] != "faster" and measured["dense"]["error"] < 0.05
+    (said,) = [r for r in plan.reasons if r.startswith("float8")]
+    assert "no layer quantized" in said and "dense (not faster in float8 here: " in said
+    assert f"{measured['dense']['speedup']:.2f}x" in said
+
+
+def test_a_layer_measured_faster_in_float8_is_quantized_in_the_proof_and_the_plan(monkeypatch):
+    from mp_callbacks import _float8_candidates
+    from mp_callbacks._float8 import float8_layers
+
+    def float8_twice_as_fast(model, inputs, targets, steps):  # injected timing: a GPU with float8 units
+        return 0.5 if float8_layers(model) else 1.0
+
+    monkeypatch.setattr(_float8_candidates, "time_steps", float8_twice_as_fast)
+    plan = _float8_plan()
+    assert plan.float8_layers == ["dense"] and plan.candidates[1]["float8"]["dense"]["speedup"] == 2.0
+    assert 'model.get_layer("dense").quantize("float8")' in plan.code
+    tuned = plan.apply(healthy_model())
+    assert tuned.get_layer("dense").quantization_mode == "float8"
+    assert tuned.get_layer("head").quantization_mode is None
+    assert mp.PrecisionPlan.from_json(plan.to_json()).float8_layers == ["dense"]
+    with pytest.raises(ValueError, match="float8_layers"):
+        mp.PrecisionPlan("mixed_bfloat16", float8_layers=["nosuch"]).apply(healthy_model())
+
+
 def test_bfloat16s_catastrophic_cancellation_is_found():
     x, _ = _data(offset=1000.0, scale=1.0)
     y = x.var(axis=1, keepdims=True).astype("float32")
@@ -227,6 +271,7 @@ def test_a_plan_round_trips_through_json_and_its_model_through_keras_files(tmp_p
     [
         ({"policies": ["float64"]}, "policies"),
         ({"policies": []}, "policies"),
+        ({"policies": ["float32", "float8"]}, "policies"),
         ({"tolerance": 0.0}, "tolerance"),
         ({"steps": 2}, "steps"),
         ({"batch_size": 0}, "batch_size"),

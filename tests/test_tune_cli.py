@@ -73,6 +73,7 @@ def test_quick_tune_prints_the_plan_and_writes_its_evidence(quick_tune):
     [
         (["tune", "--model", "resnet"], "argument --model: 'resnet': use mlp, cnn, MODULE:FUNCTION"),
         (["tune", "--policies", "float64"], "argument --policies: unknown policy 'float64'"),
+        (["tune", "--policies", "float8"], "float8 needs a mixed policy beside it"),
         (["tune", "--steps", "0"], "must be a positive integer; got '0'"),
         (["tune", "--model", "no_such_module_xyz:build"], "no module named 'no_such_module_xyz'"),
         (["tune", "--dataset", "imagenet"], "unknown dataset 'imagenet'"),
