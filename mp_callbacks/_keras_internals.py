@@ -390,6 +390,14 @@ def called_method(layer: Any) -> str:
     return "quantized_call" if getattr(layer, "quantization_mode", None) else "call"
 
 
+def make_step_function(model: Any, step: Callable[[Any], Any]) -> Any:
+    """Keras's TensorFlow trainer's train function around `step` in place
+    of `model.train_step` (`TensorFlowTrainer._make_function`: tf.function,
+    XLA, the distribution strategy and `steps_per_execution`, as Keras
+    builds them)."""
+    return model._make_function(step)
+
+
 def computes_float8(layer: Any) -> bool:
     """Whether the layer's class has float8 arithmetic (`Layer._float8_call`
     overridden: `Dense`, `EinsumDense`); any other layer given a float8
@@ -640,6 +648,14 @@ INTERNALS = (
         "Optimizer._variables",
         "backends/jax/loss_scale_optimizer.py (its own state, apart from the inner optimizer's)",
         lambda: optimizer_own_variables(keras.optimizers.SGD())[0].path.endswith("iteration"),
+    ),
+    Internal(
+        "TensorFlowTrainer._make_function(step) (the train function Keras builds around a step)",
+        "model.py (the train function runs recorded_train_step)",
+        lambda: (
+            keras.backend.backend() != "tensorflow"
+            or callable(getattr(backend_trainer_class(), "_make_function", None))
+        ),
     ),
     Internal(
         "Layer._float8_call (the float8 arithmetic a quantizable layer overrides)",

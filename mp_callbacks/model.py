@@ -6,17 +6,17 @@ unscale, one global finiteness decision, then apply or skip. Every epoch's
 logs carry `loss_scale`, `grad_norm` and `skipped_steps`.
 
 A subclass's own `train_step` is kept just as safe: the model trains
-through a `LossScaleOptimizer` sharing its loss scale, every training step
-is recorded (`mp_callbacks.backends.tensorflow.step_record`), the scale moves once at its end,
-and the step is reported in the same log keys.
+through a `LossScaleOptimizer` sharing its loss scale, and the train
+function runs every training step as one recorded step
+(`recorded_train_step`, `mp_callbacks.backends.tensorflow.step_record`):
+the scale moves once at its end, and the step is reported in the same log
+keys.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 from mp_callbacks._backend import keras, tf
@@ -33,6 +33,7 @@ from mp_callbacks._keras_internals import (
     init_functional,
     keras_default_method,
     loss_tracker,
+    make_step_function,
 )
 from mp_callbacks._loss_scale_argument import AUTO
 from mp_callbacks._model_building import (
@@ -78,30 +79,6 @@ def _in_float32(loss: Any) -> Any:
     if dtype in ("float16", "bfloat16"):
         return keras.ops.cast(loss, "float32")
     return loss
-
-
-def _accounted(train_step: Callable) -> Callable:
-    """Runs a `train_step` as one recorded step of the model's loss scale.
-
-    The model's own step and every subclass's are run this way (a nested
-    call, `super().train_step(data)`, joins the step already open).
-    """
-    standard = getattr(train_step, "_mp_standard_step", False)
-
-    @functools.wraps(train_step)
-    def accounted_train_step(self: MixedPrecisionModel, data: Any) -> Any:
-        loss_scale = self._loss_scale
-        if loss_scale is None or loss_scale._record is not None:
-            return train_step(self, data)
-        # The model's own step puts the forward pass's state back itself.
-        forward_state = None if standard else self._read_forward_state(data)
-        with loss_scale.recording() as record:
-            logs = train_step(self, data)
-            self._epoch_signals.samples.update_state(tf.cast(_batch_size(data), tf.float32))
-            return self._finish_step(record, logs, forward_state)
-
-    accounted_train_step._mp_accounted = True  # type: ignore[attr-defined]
-    return accounted_train_step
 
 
 def _in_multi_worker_mode(strategy: Any = None) -> bool:
@@ -283,12 +260,6 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
     # "loss_scale"], ["grad_norm"] and ["skipped_steps"].
     ```
     """
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        own_step = cls.__dict__.get("train_step")
-        if own_step is not None and not getattr(own_step, "_mp_accounted", False):
-            setattr(cls, "train_step", _accounted(own_step))  # noqa: B010 (a method, set on the class)
 
     _loss_scale: Any  # a LossScaler once compiled (None before, for "auto")
 
@@ -541,11 +512,33 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
         return super().fit(*args, **kwargs)
 
     def make_train_function(self, force: bool = False):
+        """As Keras's, around `recorded_train_step`: the model's own
+        `train_step` or a subclass's, run as one recorded step."""
         if self._loss_scale is None:
             raise RuntimeError("MixedPrecisionModel must be compiled before training.")
         with self.distribute_strategy.scope():
             self._loss_scale.build(self.trainable_variables)
-        return super().make_train_function(force=force)
+        if self.train_function is not None and not force:
+            return self.train_function
+        self.train_function = make_step_function(self, self.recorded_train_step)
+        return self.train_function
+
+    def recorded_train_step(self, data: Any) -> Any:
+        """Runs `train_step(data)` (the model's own, or a subclass's) as one
+        recorded step of the loss scale: one state update at its end, the
+        forward pass's state put back when an update was skipped, the batch
+        kept, and `loss_scale`, `grad_norm` and `skipped_steps` in the logs.
+        `fit`, `train_on_batch` and the `train_function` they build run it;
+        a loop of your own calls it in place of `train_step`."""
+        loss_scale = self._loss_scale
+        if loss_scale is None or loss_scale._record is not None:
+            return self.train_step(data)  # a step inside a step joins it
+        # The model's own step puts the forward pass's state back itself.
+        forward_state = self._read_forward_state(data) if self._overrides_train_step() else None
+        with loss_scale.recording() as record:
+            logs = self.train_step(data)
+            self._epoch_signals.samples.update_state(tf.cast(_batch_size(data), tf.float32))
+            return self._finish_step(record, logs, forward_state)
 
     @property
     def losses(self) -> list[Any]:
@@ -574,10 +567,12 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
 
     # ---------------------------------------------------------------- steps
     def train_step(self, data: Any) -> dict[str, Any]:
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         loss_scale = self._loss_scale
-        num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
         record = loss_scale._record
+        if record is None:  # called outside a recorded step: it records itself
+            return self.recorded_train_step(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
         # Keras divides the loss by the replica count under tf.distribute:
         # the reported norm is each replica's own.
         record.norm_factor = num_replicas
@@ -627,9 +622,6 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
                 loss_scale, self.optimizer, grads, variables, loss, restore_on_skip=restore, checked=checked
             )
         return dict(self.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
-
-    train_step._mp_standard_step = True  # type: ignore[attr-defined]
-    train_step = _accounted(train_step)
 
     def _read_forward_state(self, data: Any) -> list[tuple[Any, Any]]:
         """(variable, value) for the state a forward pass may change, read

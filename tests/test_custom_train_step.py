@@ -131,7 +131,7 @@ def test_a_nan_loss_in_your_own_step_raises_as_in_stock_keras(base):
     x = np.random.default_rng(1).normal(size=(32, 4)).astype("float32")
     x[POISONED_STEP * 8] = np.nan
     if base is keras.Model:  # the guide's step on a stock model
-        base = type("StockGuideModel", (keras.Model,), {"train_step": GuideModel.train_step.__wrapped__})
+        base = type("StockGuideModel", (keras.Model,), {"train_step": GuideModel.train_step})
     model = guide_model(base)
     model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(mp.NonFiniteGradientError, match="the loss was non-finite"):
@@ -431,6 +431,7 @@ def test_an_override_calling_super_train_step_is_one_step_traced_once():
     assert len(traces) <= 2
     assert history["my_custom_metric"] == [10.0] and history["skipped_steps"] == [0.0]
     assert model.scaler.diagnostics()["step_count"] == 100  # once per step, not twice
+    assert not hasattr(Extra.__dict__["train_step"], "__wrapped__")  # the class is as written
 
 
 def test_the_step_traced_by_a_users_own_tf_function_needs_no_autograph(monkeypatch):
