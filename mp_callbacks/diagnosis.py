@@ -67,7 +67,12 @@ def dtype_tiny(dtype: Any) -> float:
 
 @dataclass
 class LayerRecord:
-    """What one layer did with the batch."""
+    """What one call of a layer did with the batch.
+
+    `name` is the layer's label (its name, or its path where the name
+    repeats), with `" (call 2)"` and so on for each further call of a layer
+    called more than once (a tied embedding: the lookup, then the head);
+    `layer` is the label alone, what a fix changes."""
 
     name: str
     compute_dtype: str
@@ -76,6 +81,10 @@ class LayerRecord:
     gradient_finite: bool | None = None
     underflow: float | None = None
     gradient_max: float | None = None
+    layer: str = ""
+
+    def __post_init__(self) -> None:
+        self.layer = self.layer or self.name
 
 
 #: A low-precision layer is flagged when its own output differs from float32's
@@ -150,6 +159,11 @@ class PrecisionReport:
     reference_max: dict[str, float] = field(default_factory=dict)
     gradient_max: dict[str, float] = field(default_factory=dict)
     precision_loss: dict[str, float] = field(default_factory=dict)
+
+    def layer_of(self, name: str | None) -> str | None:
+        """The layer a record's name belongs to: `"embedding"` for
+        `"embedding (call 2)"`; other names (`"loss"`, None) as they are."""
+        return next((record.layer for record in self.layers if record.name == name), name)
 
     def __str__(self) -> str:
         header = (
@@ -379,17 +393,22 @@ _NO_GRADIENT: tuple[type[Exception], ...] = (TypeError, LookupError, ValueError,
 )
 
 
+#: One call of a layer in a replay: the layer, and its calls before it.
+Call = tuple[Any, int]
+
+
 def _gradient_targets(
-    order: list[Any], calls: dict[int, list[tuple[list[Any], list[Any]]]]
-) -> tuple[list[tuple[Any, int, int, int]], list[Any]]:
-    """(layer, start, inputs and weights, outputs) spans into one target list."""
-    spans: list[tuple[Any, int, int, int]] = []
+    order: list[Call], calls: dict[tuple[int, int], tuple[list[Any], list[Any]]]
+) -> tuple[list[tuple[Call, int, int, int]], list[Any]]:
+    """(call, start, inputs and the layer's weights, outputs) spans into one
+    target list; a layer's weights are in each of its calls' spans."""
+    spans: list[tuple[Call, int, int, int]] = []
     targets: list[Any] = []
-    for layer in order:
-        ins = [t for inputs, _ in calls[id(layer)] for t in inputs] + _own_trainable_weights(layer)
-        outs = [t for _, outputs in calls[id(layer)] for t in outputs]
-        spans.append((layer, len(targets), len(ins), len(outs)))
-        targets += ins + outs
+    for layer, index in order:
+        inputs, outputs = calls[(id(layer), index)]
+        ins = list(inputs) + _own_trainable_weights(layer)
+        spans.append(((layer, index), len(targets), len(ins), len(outputs)))
+        targets += ins + list(outputs)
     return spans, targets
 
 
@@ -399,7 +418,7 @@ def _gradients(
     """The gradients of `loss` for `targets`, span by span, leaving out
     (and naming in `notes`) those TensorFlow cannot compute."""
     gradients: list[Any] = [None] * len(targets)
-    for layer, start, n_in, n_out in spans:
+    for (layer, _), start, n_in, n_out in spans:
         for first, count, what in ((start, n_in, "inputs"), (start + n_in, n_out, "outputs")):
             if not count:
                 continue
@@ -490,15 +509,20 @@ def diagnose_batch(
     else:
         backward = _backward_on_tensorflow(forward, notes)
     labels = layer_labels(model)
+    called_again = {id(layer) for layer, index in backward.order if index > 0}
     layer_records = {}
-    for layer in backward.order:
-        outputs = [t for _, outs in backward.calls[id(layer)] for t in outs]
-        layer_records[id(layer)] = LayerRecord(
-            name=labels.get(id(layer), layer.name),
+    for layer, index in backward.order:
+        _, outputs = backward.calls[(id(layer), index)]
+        label = labels.get(id(layer), layer.name)
+        layer_records[(id(layer), index)] = LayerRecord(
+            name=f"{label} (call {index + 1})" if index > 0 else label,
             compute_dtype=str(getattr(layer, "compute_dtype", "float32")),
             activation_max=_abs_max(outputs),
             output_finite=_all_finite(outputs),
+            layer=label,
         )
+        if index == 0 and id(layer) in called_again:
+            layer_records[(id(layer), 0)].name = f"{label} (call 1)"
     if backward.loss is None:
         notes.append(
             "no loss was computed (pass y and compile the model): backward "
@@ -506,7 +530,7 @@ def diagnose_batch(
         )
     else:
         _note_gradients(layer_records, backward.spans, backward.gradients, float(loss_scale))
-    ordered = [layer_records[id(layer)] for layer in backward.order]
+    ordered = [layer_records[(id(layer), index)] for layer, index in backward.order]
     loss = backward.loss
     precision_loss = _bfloat16_precision_loss(model, x, ordered, notes)
     report = _report(ordered, reference, None if loss is None else float(loss), float(loss_scale), notes)
@@ -532,14 +556,15 @@ def _bfloat16_precision_loss(
 
 
 class _Backward(NamedTuple):
-    """The replayed layers in forward order, each layer's calls, the loss
-    and the gradients at every layer's inputs, own weights and outputs
-    (laid out by `spans`; empty without a loss)."""
+    """The replayed calls of layers in forward order, each call's inputs
+    and outputs, the loss and the gradients at every call's inputs, its
+    layer's own weights and its outputs (laid out by `spans`; empty
+    without a loss)."""
 
-    order: list[Any]
-    calls: dict[int, list[tuple[list[Any], list[Any]]]]
+    order: list[Call]
+    calls: dict[tuple[int, int], tuple[list[Any], list[Any]]]
     loss: Any
-    spans: list[tuple[Any, int, int, int]]
+    spans: list[tuple[Call, int, int, int]]
     gradients: list[Any]
 
 
@@ -579,26 +604,32 @@ def _backward_from_probes(
         from mp_callbacks.backends.torch.replay import replay
 
     result = replay(model, _inspected_layers(model), x, y, sample_weight, loss_scale)
-    order: list[Any] = []
-    calls: dict[int, list[tuple[list[Any], list[Any]]]] = {}
-    grads: dict[int, list[tuple[list[Any], list[Any]]]] = {}
-    for index, call in enumerate(result.calls):
-        if id(call.layer) not in calls:
-            order.append(call.layer)
-            calls[id(call.layer)], grads[id(call.layer)] = [], []
-        calls[id(call.layer)].append((call.inputs, call.outputs))
-        if result.loss is not None:
-            grads[id(call.layer)].append((result.input_gradients[index], result.output_gradients[index]))
+    order, calls = _calls_in_order([(call.layer, call.inputs, call.outputs) for call in result.calls])
     if result.loss is None:
         return _Backward(order, calls, None, [], [])
     spans, _ = _gradient_targets(order, calls)
     weight_index = {id(v): i for i, v in enumerate(model.trainable_variables)}
     gradients: list[Any] = []
-    for layer in order:
-        gradients += [g for inputs, _ in grads[id(layer)] for g in inputs]
+    for position, (layer, _) in enumerate(order):  # result.calls is in the same order
+        gradients += list(result.input_gradients[position])
         gradients += [result.weight_gradients[weight_index[id(w)]] for w in _own_trainable_weights(layer)]
-        gradients += [g for _, outputs in grads[id(layer)] for g in outputs]
+        gradients += list(result.output_gradients[position])
     return _Backward(order, calls, result.loss, spans, gradients)
+
+
+def _calls_in_order(
+    records: list[tuple[Any, list[Any], list[Any]]],
+) -> tuple[list[Call], dict[tuple[int, int], tuple[list[Any], list[Any]]]]:
+    """Each recorded call in forward order, numbered within its layer."""
+    order: list[Call] = []
+    calls: dict[tuple[int, int], tuple[list[Any], list[Any]]] = {}
+    seen: dict[int, int] = {}
+    for layer, inputs, outputs in records:
+        index = seen.get(id(layer), 0)
+        seen[id(layer)] = index + 1
+        order.append((layer, index))
+        calls[(id(layer), index)] = (inputs, outputs)
+    return order, calls
 
 
 def _as_tensors(structure: Any) -> Any:
@@ -611,14 +642,14 @@ def _as_tensors(structure: Any) -> Any:
 
 
 class _Replay(NamedTuple):
-    """One recorded forward pass: its tape, losses and each layer's calls
-    (a layer called twice keeps its first call's position)."""
+    """One recorded forward pass: its tape, losses and each call of a layer
+    in forward order (a layer called twice has two)."""
 
     tape: Any
     loss: Any
     scaled_loss: Any
-    order: list[Any]
-    calls: dict[int, list[tuple[list[Any], list[Any]]]]
+    order: list[Call]
+    calls: dict[tuple[int, int], tuple[list[Any], list[Any]]]
 
 
 def _replay(
@@ -638,25 +669,19 @@ def _replay(
     finally:
         for variable, value in state:
             variable.assign(value)
-    order: list[Any] = []
-    calls: dict[int, list[tuple[list[Any], list[Any]]]] = {}
-    for layer, inputs, outputs in records:
-        if id(layer) not in calls:
-            order.append(layer)
-            calls[id(layer)] = []
-        calls[id(layer)].append((inputs, outputs))
+    order, calls = _calls_in_order(records)
     return _Replay(tape, loss, scaled_loss, order, calls)
 
 
 def _note_gradients(
-    layer_records: dict[int, LayerRecord], spans: list, gradients: list, loss_scale: float
+    layer_records: dict[tuple[int, int], LayerRecord], spans: list, gradients: list, loss_scale: float
 ) -> None:
-    """Each layer's gradient finiteness, largest gradient and underflow share."""
-    for layer, start, n_in, n_out in spans:
+    """Each call's gradient finiteness, largest gradient and underflow share."""
+    for (layer, index), start, n_in, n_out in spans:
         grads = [g for g in gradients[start : start + n_in] if g is not None]
         if tf is not None:
             grads = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
-        record = layer_records[id(layer)]
+        record = layer_records[(id(layer), index)]
         record.gradient_finite = _all_finite(grads) if grads else True
         out_grads = [g for g in gradients[start + n_in : start + n_in + n_out] if g is not None]
         if grads or out_grads:
@@ -702,12 +727,13 @@ def _report(
     limit = FLOAT16_ADVICE_THRESHOLD * dtype_max("float16")
     advice = []
     for record in ordered:
-        true_in, true_out = reference.get(record.name, (0.0, record.activation_max))
+        true_in, true_out = reference.get(record.layer, (0.0, record.activation_max))
         near_overflow = record.compute_dtype == "float16" and (
             max(true_in, true_out) > limit or FLOAT16_ADVICE_THRESHOLD < headroom[record.name] < math.inf
         )
-        if (record.name == origin and record.name in low_precision) or near_overflow:
-            advice.append(record.name)
+        flagged = (record.name == origin and record.name in low_precision) or near_overflow
+        if flagged and record.layer not in advice:  # a fix changes the layer, whichever call failed
+            advice.append(record.layer)
     return PrecisionReport(
         first_nonfinite_layer=first_forward,
         first_nonfinite_gradient_layer=first_backward,

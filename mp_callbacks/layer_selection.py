@@ -112,12 +112,13 @@ def _flag(
                 if report.precision_loss.get(name, 0.0) > MAX_RELATIVE_ERROR:
                     error = report.precision_loss[name]
                     flags.setdefault(name, f"it differs {error:.0%} from float32 (relative error)")
-                elif name == report.first_nonfinite_layer:
+                elif name == report.layer_of(report.first_nonfinite_layer):
                     flags.setdefault(name, "its output overflows (not finite)")
-                elif name == report.origin:
+                elif name == report.layer_of(report.origin):
                     flags.setdefault(name, "the gradient it passes back is not finite")
                 else:
-                    share = max(report.reference_max.get(name, 0.0), report.activation_max.get(name, 0.0))
+                    reached = [r.activation_max for r in report.layers if r.layer == name]
+                    share = max([report.reference_max.get(name, 0.0), *reached])
                     flags.setdefault(
                         name, f"its output reaches {share / _FLOAT16_MAX:.0%} of float16's range"
                     )
@@ -125,7 +126,7 @@ def _flag(
                 if name not in pins and error > MAX_RELATIVE_ERROR:
                     flags.setdefault(name, f"it differs {error:.0%} from float32 (relative error)")
             if not report.loss_finite and not flags:
-                flags.setdefault(report.origin or "loss", "the loss is not finite")
+                flags.setdefault(report.layer_of(report.origin) or "loss", "the loss is not finite")
     return {name: why for name, why in flags.items() if name != "loss"}, gradient_max
 
 

@@ -283,6 +283,40 @@ def test_same_named_sublayers_are_told_apart_by_their_paths():
     assert {"headroom/block1/proj", "headroom/block2/proj"} <= set(logs)
 
 
+class TiedEmbedding(keras.layers.Layer):
+    """A token lookup that is also the LM head (`reverse=True`), as
+    KerasHub's ReversibleEmbedding in GPT-2, Gemma, T5: one layer, two calls."""
+
+    def build(self, input_shape):
+        self.embeddings = self.add_weight(shape=(32, 8), name="embeddings")
+
+    def call(self, x, reverse=False):
+        table = keras.ops.cast(self.embeddings, self.compute_dtype)
+        if reverse:
+            return keras.ops.matmul(x, keras.ops.transpose(table))
+        return keras.ops.take(table, x, axis=0)
+
+
+def test_each_call_of_a_tied_embedding_is_its_own_entry_and_the_head_is_blamed():
+    keras.config.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    ids = keras.Input((6,), dtype="int32")
+    embedding = TiedEmbedding(name="embedding")
+    hidden = keras.layers.LayerNormalization(name="final_norm")(
+        keras.layers.Dense(8, name="dense")(embedding(ids))
+    )
+    model = mp.MixedPrecisionModel(ids, embedding(hidden, reverse=True))
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(0).integers(0, 32, size=(2, 6)).astype("int32")
+    # A loss scale that overflows the logits' gradient (float16) and nothing before it.
+    report = mp.diagnose_batch(model, x, x, loss_scale=2.0**26)
+    names = [record.name for record in report.layers]
+    assert names == ["embedding (call 1)", "dense", "final_norm", "embedding (call 2)"]
+    assert report.loss_finite and report.first_nonfinite_layer is None
+    assert report.origin == "embedding (call 2)"  # the head, not the norm before it
+    assert report.float32_layers == ["embedding"] and report.layer_of(report.origin) == "embedding"
+
+
 # --------------------------------------------------------- bfloat16 visible
 @keras.saving.register_keras_serializable(package="test_every_backend")
 class NaiveVariance(keras.layers.Layer):
