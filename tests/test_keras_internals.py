@@ -4,20 +4,24 @@ a Keras release that renames or changes one fails here, not in a user's run."""
 from __future__ import annotations
 
 import keras
+import keras_canaries
 import pytest
 
-from mp_callbacks import _keras_internals as internals
+
+@pytest.mark.parametrize("canary", keras_canaries.CANARIES, ids=lambda c: c.name)
+def test_internal_is_present_and_still_used(canary):
+    users = keras_canaries.used_by(canary)
+    assert users, f"{canary.name}: no library module names {canary.guards}: a canary for nothing"
+    assert canary.present(), f"{canary.name} changed in keras {keras.__version__}; used by {', '.join(users)}"
 
 
-@pytest.mark.parametrize("internal", internals.INTERNALS, ids=lambda i: i.name)
-def test_internal_is_present(internal):
-    assert internal.present(), (
-        f"{internal.name} changed in keras {keras.__version__}; used by {internal.used_by}"
-    )
+def test_no_canary_fails():
+    assert keras_canaries.missing() == []
 
 
-def test_missing_internals_is_empty():
-    assert internals.missing_internals() == []
+def test_used_by_is_read_from_the_code():
+    (xla,) = [c for c in keras_canaries.CANARIES if c.guards == ("compiling_with_xla",)]
+    assert keras_canaries.used_by(xla) == ["backends/tensorflow/skip.py"]
 
 
 def test_checked_versions_include_the_declared_lower_bound():
@@ -32,7 +36,7 @@ def test_checked_versions_include_the_declared_lower_bound():
         for line in requires.splitlines()
         if line.strip().startswith("keras>=")
     )
-    assert any(version.startswith(lower) for version in internals.CHECKED_ON)
+    assert any(version.startswith(lower) for version in keras_canaries.CHECKED_ON)
 
 
 # ---------------------------------------------------------------- the fence
