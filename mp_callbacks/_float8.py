@@ -18,14 +18,14 @@ import numpy as np
 from mp_callbacks._backend import BACKEND, keras
 from mp_callbacks.errors import MixedPrecisionWarning
 
-__all__ = ["float8_figures", "float8_layers", "gradient_state", "repair_amax_histories", "tensor_figures"]
+__all__ = ["float8_layers", "gradient_state", "repair_amax_histories", "tensor_figures", "variable_values"]
 
 #: The float8 state that records *scaled* gradients under a loss scale:
 #: the output gradient's scale and amax history (E5M2).
 _GRADIENT_STATE = ("outputs_grad_scale", "outputs_grad_amax_history")
 
 
-def _host(variable: Any) -> np.ndarray:
+def variable_values(variable: Any) -> np.ndarray:
     """A variable's value in NumPy (its backend value's own `numpy()`: NumPy
     2 warns on converting a TensorFlow variable)."""
     if BACKEND == "tensorflow":
@@ -61,7 +61,7 @@ def repair_amax_histories(model: Any) -> list[str]:
     float8 layers."""
     repaired = []
     for variable in _amax_histories(model):
-        values = _host(variable)
+        values = variable_values(variable)
         bad = ~np.isfinite(values)
         if bad.any():
             variable.assign(np.where(bad, 0, values).astype(values.dtype))
@@ -80,7 +80,10 @@ def repair_amax_histories(model: Any) -> list[str]:
 
 
 #: The element formats of Keras's float8 layers, by quantized tensor.
-_FORMATS = {"inputs": "float8_e4m3fn", "kernel": "float8_e4m3fn"}
+FORMATS = {"inputs": "float8_e4m3fn", "kernel": "float8_e4m3fn", "outputs_grad": "float8_e5m2"}
+#: A float8 tensor is said to saturate when more than this share of its
+#: values is clipped.
+FLOAT8_SATURATION_WARNING = 0.05
 #: MX blocks (OCP Microscaling): 32 elements share a power-of-two scale.
 MX_BLOCK = 32
 
@@ -138,41 +141,3 @@ def float8_layers(model: Any) -> list[Any]:
     from mp_callbacks._keras_internals import all_layers
 
     return [layer for layer in all_layers(model) if getattr(layer, "quantization_mode", None) == "float8"]
-
-
-def float8_figures(model: Any, x: Any) -> dict[str, dict[str, Any]]:
-    """Layer label -> {"inputs": figures, "kernel": figures,
-    "history_nonfinite": bool} for every float8 layer, on one inference
-    pass of `x` (`tensor_figures`; the inputs as each layer received them
-    in its first call). Host reads of the layers' tensors: for a probe."""
-    from mp_callbacks._layer_labels import layer_labels
-    from mp_callbacks.diagnosis import recording_layers
-
-    layers = float8_layers(model)
-    if not layers:
-        return {}
-    wanted = {id(layer) for layer in layers}
-    seen_inputs: dict[int, Any] = {}
-    with recording_layers(model) as records:
-        model(x, training=False)
-    for layer, inputs, _ in records:
-        if id(layer) in wanted and inputs and id(layer) not in seen_inputs:
-            seen_inputs[id(layer)] = keras.ops.convert_to_numpy(keras.ops.cast(inputs[0], "float32"))
-    labels = layer_labels(model)
-    figures: dict[str, dict[str, Any]] = {}
-    for layer in layers:
-
-        def read(name: str, owner: Any = layer) -> np.ndarray:
-            return _host(getattr(owner, name)).astype(np.float32)
-
-        entry: dict[str, Any] = {}
-        if id(layer) in seen_inputs:
-            entry["inputs"] = tensor_figures(
-                seen_inputs[id(layer)], float(read("inputs_scale")), _FORMATS["inputs"]
-            )
-        kernel = _host(layer.kernel).astype(np.float32)
-        entry["kernel"] = tensor_figures(kernel, float(read("kernel_scale")), _FORMATS["kernel"])
-        histories = [read(v.name) for v in layer.weights if v.name.endswith("amax_history")]
-        entry["history_nonfinite"] = any(not np.isfinite(h).all() for h in histories)
-        figures[labels.get(id(layer), layer.name)] = entry
-    return figures

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 
 from mp_callbacks._backend import keras
-from mp_callbacks._float8 import float8_figures
 from mp_callbacks._keras_internals import all_layers
 from mp_callbacks._layer_labels import layer_labels
+from mp_callbacks.diagnosis import float8_figures
 from mp_callbacks.speed_comparison import SpeedComparison
 
 __all__ = ["FLOAT8_MAX_ERROR", "FLOAT8_MAX_SATURATION", "float8_layer_verdicts"]

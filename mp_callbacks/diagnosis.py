@@ -24,6 +24,13 @@ import ml_dtypes
 import numpy as np
 
 from mp_callbacks._backend import BACKEND, keras, tf
+from mp_callbacks._float8 import (
+    FLOAT8_SATURATION_WARNING,
+    FORMATS,
+    float8_layers,
+    tensor_figures,
+    variable_values,
+)
 from mp_callbacks._keras_internals import (
     all_layers,
     called_method,
@@ -41,6 +48,7 @@ __all__ = [
     "OutputRange",
     "PrecisionReport",
     "diagnose_batch",
+    "float8_figures",
     "layer_output_ranges",
 ]
 
@@ -139,6 +147,13 @@ class PrecisionReport:
             inputs (bfloat16 keeps 8 significant bits: it loses precision
             where float16 overflows). A layer past `MAX_RELATIVE_ERROR` is
             in `float32_layers`.
+        float8: float8 layer name -> {"inputs", "kernel", "outputs_grad":
+            `HeadroomMonitor`'s figures for that tensor at the layer's
+            current scale (`saturation`, `underflow`, `amax_ratio`, and
+            the what-if `current_underflow` and `mx_underflow`),
+            "history_nonfinite": bool}; the output gradient is the one the
+            layer received in the batch's backward pass (the loss times the
+            loss scale), quantized to E5M2.
 
     A layer whose name repeats in the model is named by its path
     (`block2/proj`).
@@ -159,6 +174,7 @@ class PrecisionReport:
     reference_max: dict[str, float] = field(default_factory=dict)
     gradient_max: dict[str, float] = field(default_factory=dict)
     precision_loss: dict[str, float] = field(default_factory=dict)
+    float8: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def layer_of(self, name: str | None) -> str | None:
         """The layer a record's name belongs to: `"embedding"` for
@@ -216,6 +232,14 @@ class PrecisionReport:
                 "bfloat16 precision lost: "
                 + ", ".join(f"{name} ({error:.1%} relative error)" for name, error in lost.items())
             )
+        saturated = [
+            f"{name} {tensor} ({figures[tensor]['saturation']:.1%})"
+            for name, figures in self.float8.items()
+            for tensor in ("inputs", "kernel", "outputs_grad")
+            if figures.get(tensor, {}).get("saturation", 0.0) > FLOAT8_SATURATION_WARNING
+        ]
+        if saturated:
+            lines.append("float8 saturated (clipped, silently): " + ", ".join(saturated))
         if self.float32_layers:
             lines.append(
                 "compute in float32: "
@@ -535,9 +559,43 @@ def diagnose_batch(
     precision_loss = _bfloat16_precision_loss(model, x, ordered, notes)
     report = _report(ordered, reference, None if loss is None else float(loss), float(loss_scale), notes)
     report.precision_loss = precision_loss
+    report.float8 = _float8_report(model, x, backward, notes)
     lost = [name for name, error in precision_loss.items() if error > MAX_RELATIVE_ERROR]
     report.float32_layers += [name for name in lost if name not in report.float32_layers]
     return report
+
+
+def _float8_report(
+    model: keras.Model, x: Any, backward: _Backward, notes: list[str]
+) -> dict[str, dict[str, Any]]:
+    """`float8_figures` on the batch, with each float8 layer's output
+    gradient from the backward pass (its first call) quantized at its
+    `outputs_grad_scale`."""
+    if not float8_layers(model):
+        return {}
+    try:
+        figures = float8_figures(model, x)
+    except Exception as error:  # advice, not the diagnosis
+        notes.append(f"no float8 figures ({type(error).__name__}: {error}).")
+        return {}
+    labels = layer_labels(model)
+    for (layer, index), start, n_in, n_out in backward.spans:
+        label = labels.get(id(layer), layer.name)
+        if index or label not in figures or not n_out:
+            continue
+        grads = [g for g in backward.gradients[start + n_in : start + n_in + n_out] if g is not None]
+        if not grads:
+            notes.append(
+                f"no output gradient for float8 layer {label!r}: the backward pass did not reach it "
+                "(on TensorFlow, Keras's float8 gradient runs only inside a traced function)."
+            )
+        else:
+            values = np.concatenate(
+                [np.ravel(keras.ops.convert_to_numpy(keras.ops.cast(g, "float32"))) for g in grads]
+            )
+            scale = float(variable_values(layer.outputs_grad_scale))
+            figures[label]["outputs_grad"] = tensor_figures(values, scale, FORMATS["outputs_grad"])
+    return figures
 
 
 def _bfloat16_precision_loss(
@@ -844,3 +902,39 @@ def own_precision_loss(model: keras.Model, x: Any, training: bool = True) -> dic
         for variable, value in zip(state, saved):
             variable.assign(value)
     return losses
+
+
+# ------------------------------------------------------------------ float8
+def float8_figures(model: Any, x: Any) -> dict[str, dict[str, Any]]:
+    """Layer label -> {"inputs": figures, "kernel": figures,
+    "history_nonfinite": bool} for every float8 layer, on one inference
+    pass of `x` (`tensor_figures`; the inputs as each layer received them
+    in its first call). Host reads of the layers' tensors: for a probe."""
+    layers = float8_layers(model)
+    if not layers:
+        return {}
+    wanted = {id(layer) for layer in layers}
+    seen_inputs: dict[int, Any] = {}
+    with recording_layers(model) as records:
+        model(x, training=False)
+    for layer, inputs, _ in records:
+        if id(layer) in wanted and inputs and id(layer) not in seen_inputs:
+            seen_inputs[id(layer)] = keras.ops.convert_to_numpy(keras.ops.cast(inputs[0], "float32"))
+    labels = layer_labels(model)
+    figures: dict[str, dict[str, Any]] = {}
+    for layer in layers:
+
+        def read(name: str, owner: Any = layer) -> np.ndarray:
+            return variable_values(getattr(owner, name)).astype(np.float32)
+
+        entry: dict[str, Any] = {}
+        if id(layer) in seen_inputs:
+            entry["inputs"] = tensor_figures(
+                seen_inputs[id(layer)], float(read("inputs_scale")), FORMATS["inputs"]
+            )
+        kernel = variable_values(layer.kernel).astype(np.float32)
+        entry["kernel"] = tensor_figures(kernel, float(read("kernel_scale")), FORMATS["kernel"])
+        histories = [read(v.name) for v in layer.weights if v.name.endswith("amax_history")]
+        entry["history_nonfinite"] = any(not np.isfinite(h).all() for h in histories)
+        figures[labels.get(id(layer), layer.name)] = entry
+    return figures

@@ -12,11 +12,11 @@ from typing import Any
 
 from mp_callbacks._backend import keras
 from mp_callbacks._callback_support import MixedPrecisionCallback
-from mp_callbacks._float8 import float8_figures, float8_layers
+from mp_callbacks._float8 import FLOAT8_SATURATION_WARNING, float8_layers
 from mp_callbacks._keras_internals import global_seed_generator_state
 from mp_callbacks._layer_epoch_plot import DEFAULT_FIGURES, FIGURES, layer_epoch_tables, plot_tables
 from mp_callbacks._validation import check_int, check_real, fail
-from mp_callbacks.diagnosis import dtype_max, layer_output_ranges
+from mp_callbacks.diagnosis import dtype_max, float8_figures, layer_output_ranges
 from mp_callbacks.errors import MixedPrecisionWarning
 from mp_callbacks.layer_selection import MAX_RELATIVE_ERROR, own_precision_loss
 
@@ -27,9 +27,6 @@ logger = logging.getLogger(__name__)
 # Compute dtypes whose range a layer can run out of (bfloat16 and float32
 # both reach 3.4e38, which no activation comes near).
 _LIMITED_RANGE = ("float16",)
-#: A float8 tensor is said to saturate when more than this share of its
-#: values is clipped on the probe.
-FLOAT8_SATURATION_WARNING = 0.05
 
 
 def _sub_models(model: keras.Model) -> list[str]:

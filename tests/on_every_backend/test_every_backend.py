@@ -4,6 +4,8 @@ a guarantee cannot hold on one backend and not on another."""
 
 from __future__ import annotations
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -406,6 +408,17 @@ def test_a_float8_layers_inputs_saturating_after_a_jump_are_named_with_the_share
     assert jumped["float8/second/history_nonfinite"] == [0.0]
     probe = monitor.history[-1]["float8"]["second"]["inputs"]
     assert set(probe) == {"saturation", "underflow", "amax_ratio", "current_underflow", "mx_underflow"}
+    # diagnose_batch names it too, with the output gradient of its backward pass.
+    gain.gain.assign(1e4)  # a second jump, before its scale catches up
+    report = mp.diagnose_batch(model, x[:8], y[:8])
+    assert report.float8["second"]["inputs"]["saturation"] > 0.5
+    assert report.float8["first"]["inputs"]["saturation"] < 0.05
+    assert re.search(r"float8 saturated \(clipped, silently\): .*second inputs \(\d", str(report))
+    if BACKEND == "tensorflow":  # Keras's float8 gradient runs only traced there: said, not guessed
+        assert "outputs_grad" not in report.float8["second"]
+        assert any("no output gradient for float8 layer 'second'" in note for note in report.notes)
+    else:  # the jump reaches the gradients too
+        assert report.float8["second"]["outputs_grad"]["saturation"] > 0.5
     rows, _, table = monitor.plot(str(tmp_path / "float8.png"))["float8/saturation"]
     assert rows == ["first/inputs", "first/kernel", "second/inputs", "second/kernel"]
     assert table[2, 0] == jumped["float8/second/inputs/saturation"][0]

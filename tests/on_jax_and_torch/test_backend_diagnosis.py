@@ -161,8 +161,9 @@ def test_a_shared_layer_and_a_subclassed_model_are_seen_layer_by_layer():
     model(x)
     x[1, 2] = np.nan
     report = mp.diagnose_batch(model, x, y)
-    assert [r.name for r in report.layers] == ["shared", "head"]
-    assert report.first_nonfinite_layer == "shared" and report.origin == "shared"
+    assert [r.name for r in report.layers] == ["shared (call 1)", "shared (call 2)", "head"]
+    assert report.first_nonfinite_layer == "shared (call 1)" and report.origin == "shared (call 1)"
+    assert report.layer_of(report.origin) == "shared"
     assert any("subclassed" in note for note in report.notes)
 
 
