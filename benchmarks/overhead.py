@@ -3,6 +3,9 @@
 1. The same CNN, same data, same policy, trained with `keras.Model` and with
    `mp_callbacks.MixedPrecisionModel`.
 2. MixedPrecisionModel with all three callbacks against none.
+3. HeadroomMonitor (its probe at the default cadence, so once an epoch
+   here: the float16 ranges, the bfloat16 replay in float32) against none:
+   the probe's cost, paid only at its cadence.
 
 One epoch each in alternation (the order flips every round, so drift on a
 noisy machine hits both alike). Prints the ratio of epoch times per round,
@@ -79,6 +82,16 @@ def main(argv=None):
         f"= {1000 * reads['count'] / steps:.1f} per 1,000 steps "
         "(log tensors converted by the callbacks: 0; Keras itself converts the "
         "step logs once per step on the TensorFlow backend)"
+    )
+    headroom = [mp.HeadroomMonitor(probe=data.x_test[:32])]
+    times = compare(
+        {"no callbacks": (ours, []), "HeadroomMonitor": (ours, headroom)}, data, args.rounds, args.batch_size
+    )
+    report(
+        "MixedPrecisionModel: HeadroomMonitor vs none (epoch time ratio)",
+        times,
+        "no callbacks",
+        "HeadroomMonitor",
     )
 
 
