@@ -369,6 +369,13 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
             return 2.0**15 if self._computes_in_float16() else 1.0
         return self._loss_scale.get_scale()
 
+    def loss_scale_state(self) -> dict[str, Any]:
+        """The state machine's variables as Python numbers, in one host read
+        (`LossScaler.diagnostics()`; `lowest_scale` is None before a step)."""
+        if self._loss_scale is None:
+            raise RuntimeError("MixedPrecisionModel must be compiled before its loss scale has a state.")
+        return self._loss_scale.diagnostics()
+
     def kept_batch(self) -> tuple[tuple[Any, Any, Any], int] | None:
         """The last batch whose step was skipped, and that step's number.
 

@@ -17,6 +17,7 @@ from typing import Any
 from mp_callbacks import _scale_state
 from mp_callbacks._backend import BACKEND, keras
 from mp_callbacks._scale_config import ScaleConfig
+from mp_callbacks._validation import FLOAT32_MAX
 from mp_callbacks.errors import BackendNotSupportedError
 
 __all__ = ["LossScaler"]
@@ -144,10 +145,13 @@ class LossScaler(ScaleConfig):
         read, keyed by the names in `STATE_VARIABLES`."""
         names = [spec.name for spec in _scale_state.STATE_VARIABLES]
         read = [keras.ops.convert_to_numpy(self._variables[name].value) for name in names]
-        return {
+        state: dict[str, Any] = {
             name: int(value) if name in _scale_state.COUNTERS else float(value)
             for name, value in zip(names, read)
         }
+        if state["lowest_scale"] == FLOAT32_MAX:
+            state["lowest_scale"] = None  # no step since reset_lowest_scale(), as on TensorFlow
+        return state
 
     def nonfinite_gradient_counts(self) -> dict[str, int]:
         """Steps with a non-finite gradient, per trainable variable path, in
@@ -187,9 +191,9 @@ class LossScaler(ScaleConfig):
             variable.assign(value)
 
     def reset_lowest_scale(self) -> None:
-        """Restarts the lowest-scale latch from the current scale (a copy:
-        two variables holding one JAX buffer would be donated twice)."""
-        self._variables["lowest_scale"].assign(keras.ops.copy(self._variables["scale"].value))
+        """Restarts the lowest-scale latch: the next step's scale is the
+        lowest, and `diagnostics()` says None until then (as on TensorFlow)."""
+        self._variables["lowest_scale"].assign(keras.ops.full((), FLOAT32_MAX, "float32"))
 
     def __getattr__(self, name: str) -> Any:
         if name in _TENSORFLOW_STEP_METHODS:

@@ -34,6 +34,7 @@ from mp_callbacks._model_building import (
     warn_about_findings,
     wrap_model,
 )
+from mp_callbacks._validation import FLOAT32_MAX
 from mp_callbacks.backends.common.loss_scaler import LossScaler
 
 __all__ = ["LOG_KEYS", "VariableScaleModel", "scaler_from_argument"]
@@ -260,14 +261,19 @@ class VariableScaleModel(keras.Model):
         return float(ops.convert_to_numpy(self._scale_variables()["scale"].value))
 
     def loss_scale_state(self) -> dict[str, Any]:
-        """The state machine's variables as Python numbers (a host read)."""
+        """The state machine's variables as Python numbers (a host read;
+        `lowest_scale` is None before a step), as `LossScaler.diagnostics()`
+        gives them on every backend."""
         variables = self._scale_variables()
-        return {
+        state: dict[str, Any] = {
             spec.name: (float if spec.dtype == "float32" else int)(
                 ops.convert_to_numpy(variables[spec.name].value)
             )
             for spec in _scale_state.STATE_VARIABLES
         }
+        if state["lowest_scale"] == FLOAT32_MAX:
+            state["lowest_scale"] = None
+        return state
 
     def _computes_in_float16(self) -> bool:
         if self.dtype_policy.compute_dtype == "float16":
