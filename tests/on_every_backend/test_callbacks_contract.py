@@ -1,5 +1,5 @@
-"""LossScaleMonitor and EpochTimer on Keras's JAX backend: they read what
-the step logs during an epoch and the model only between epochs."""
+"""LossScaleMonitor, EpochTimer and HeadroomMonitor on every backend: they
+read what the step logs during an epoch and the model only between epochs."""
 
 from __future__ import annotations
 
@@ -11,10 +11,6 @@ import numpy as np
 import pytest
 
 import mp_callbacks as mp
-
-pytestmark = pytest.mark.skipif(
-    keras.backend.backend() not in ("jax", "torch"), reason="the JAX and torch backends' tests"
-)
 
 
 def _model(loss_scale="auto"):

@@ -1,16 +1,11 @@
-"""PrecisionPlan and SpeedComparison on Keras's JAX backend."""
+"""PrecisionPlan and SpeedComparison on every backend."""
 
 from __future__ import annotations
 
 import keras
 import numpy as np
-import pytest
 
 import mp_callbacks as mp
-
-pytestmark = pytest.mark.skipif(
-    keras.backend.backend() not in ("jax", "torch"), reason="the JAX and torch backends' tests"
-)
 
 
 def _model(cls=keras.Model):
