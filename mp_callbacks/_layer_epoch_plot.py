@@ -38,7 +38,7 @@ def _values(record: dict[str, Any], figure: str) -> dict[str, float]:
     return {
         f"{layer}/{tensor}": entry[tensor][name]
         for layer, entry in record.get("float8", {}).items()
-        for tensor in ("inputs", "kernel")
+        for tensor in ("inputs", "kernel", "outputs_grad")
         if name in entry.get(tensor, {})
     }
 

@@ -16,7 +16,7 @@ from mp_callbacks._float8 import FLOAT8_SATURATION_WARNING, float8_layers
 from mp_callbacks._keras_internals import global_seed_generator_state
 from mp_callbacks._layer_epoch_plot import DEFAULT_FIGURES, FIGURES, layer_epoch_tables, plot_tables
 from mp_callbacks._validation import check_int, check_real, fail
-from mp_callbacks.diagnosis import dtype_max, float8_figures, layer_output_ranges
+from mp_callbacks.diagnosis import diagnose_batch, dtype_max, float8_figures, layer_output_ranges
 from mp_callbacks.errors import MixedPrecisionWarning
 from mp_callbacks.layer_selection import MAX_RELATIVE_ERROR, own_precision_loss
 
@@ -69,6 +69,17 @@ class HeadroomMonitor(MixedPrecisionCallback):
     names a layer the first time its error passes `warn_error`. A layer
     whose name repeats in the model is named by its path (`block2/proj`).
 
+    float8 layers (`quantize("float8")`) fail by saturating, silently: for
+    each one's `inputs` and `kernel` the logs get
+    `float8/<layer>/<tensor>/saturation`, `.../underflow`,
+    `.../amax_ratio` and the what-if `.../current_underflow` and
+    `.../mx_underflow`, and `float8/<layer>/history_nonfinite`; with
+    `probe_targets`, one backward pass of the probe adds the
+    `outputs_grad` tensor (JAX and PyTorch; on TensorFlow Keras's float8
+    gradient runs only traced). A warning names a tensor the first time
+    more than 5 % of it saturates. `plot()` draws the figures by layer
+    and epoch.
+
     Args:
         probe: array, tensor or structure of them. The probe inputs (what
             `model(probe)` accepts), a few samples.
@@ -87,6 +98,11 @@ class HeadroomMonitor(MixedPrecisionCallback):
             through: the name of one of the trained model's attributes, or a
             model, for a model without `call()` such as a GAN (`"generator"`).
             Defaults to None: the model being trained.
+        probe_targets: array or None. Targets for `probe`, as `fit` takes
+            `y`: the probe then also runs one backward pass (the model's
+            loss times its loss scale, as in training) for the float8
+            layers' output-gradient figures. Defaults to None (forward
+            only).
 
     Raises:
         ValueError: an argument out of its range (named, with the value).
@@ -123,6 +139,7 @@ class HeadroomMonitor(MixedPrecisionCallback):
         layers: list[str] | None = None,
         target: str | keras.Model | None = None,
         warn_error: float = MAX_RELATIVE_ERROR,
+        probe_targets: Any = None,
     ) -> None:
         super().__init__()
         # Its probe runs the model between steps: never on Keras's thread
@@ -132,6 +149,7 @@ class HeadroomMonitor(MixedPrecisionCallback):
         if probe is None:
             raise TypeError(f"{owner}: `probe` must be a batch of model inputs; received probe=None.")
         self.probe = probe
+        self.probe_targets = probe_targets
         self.every_n_steps = check_int(owner, "every_n_steps", every_n_steps, low=1)
         self.warn_above = check_real(
             owner,
@@ -176,6 +194,7 @@ class HeadroomMonitor(MixedPrecisionCallback):
             "layers": self.layers,
             "target": self.target,
             "warn_error": self.warn_error,
+            "probe_targets": self.probe_targets,
         }
 
     def on_train_begin(self, logs=None):
@@ -251,6 +270,8 @@ class HeadroomMonitor(MixedPrecisionCallback):
             quantized = {}
             if float8_layers(model):
                 quantized = _leaving_state_as_it_was(model, lambda: float8_figures(model, self.probe))
+                if self.probe_targets is not None:
+                    quantized = self._with_output_gradients(model, quantized)
         except Exception as error:
             # A monitor never stops training: the model cannot run the probe
             # in inference (stock Keras 3.15's RandomCrop keeps the uncropped
@@ -312,10 +333,20 @@ class HeadroomMonitor(MixedPrecisionCallback):
             }
         )
 
+    def _with_output_gradients(self, model: Any, quantized: dict[str, Any]) -> dict[str, Any]:
+        """`quantized` with each float8 layer's `outputs_grad` figures, from
+        `diagnose_batch`'s backward pass of the probe (it leaves the model's
+        state as it found it)."""
+        report = diagnose_batch(model, self.probe, self.probe_targets)
+        for name, figures in report.float8.items():
+            if name in quantized and "outputs_grad" in figures:
+                quantized[name]["outputs_grad"] = figures["outputs_grad"]
+        return quantized
+
     def _note_float8(self, name: str, entry: dict[str, Any]) -> None:
         """A float8 layer's figures into the epoch's logs, and a warning the
         first time a tensor saturates or a history holds inf or NaN."""
-        for tensor in ("inputs", "kernel"):
+        for tensor in ("inputs", "kernel", "outputs_grad"):
             for figure, value in entry.get(tensor, {}).items():
                 key = f"float8/{name}/{tensor}/{figure}"
                 self._epoch_max[key] = max(self._epoch_max.get(key, 0.0), value)
