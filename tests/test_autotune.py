@@ -330,20 +330,3 @@ def test_float32_copy_serves_without_mixed_precision(tmp_path):
     served.export(str(tmp_path / "served"), verbose=False)
     loaded = tf.saved_model.load(str(tmp_path / "served"))
     np.testing.assert_allclose(loaded.serve(x).numpy(), served.predict(x, verbose=0), rtol=1e-6)
-
-
-def test_a_plan_for_float16_scales_a_model_compiled_under_float32():
-    # compile chose "no scaling" for float32; the float16 copy chooses for its own policy.
-    keras.mixed_precision.set_global_policy("float32")
-    inputs = keras.Input((4,))
-    model = mp.MixedPrecisionModel(inputs, keras.layers.Dense(1)(keras.layers.Dense(8)(inputs)))
-    model.compile("adam", "mse")
-    assert model.get_scale() == 1.0
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", mp.MixedPrecisionWarning)  # check_model: no missing scale
-        tuned = mp.PrecisionPlan("mixed_float16").apply(model)
-    assert tuned.get_scale() == 2.0**15  # the dynamic default
-    # A scale given by the user stays the user's.
-    fixed = mp.MixedPrecisionModel(inputs, keras.layers.Dense(1)(inputs), loss_scale=8.0)
-    fixed.compile("adam", "mse")
-    assert mp.PrecisionPlan("mixed_float16").apply(fixed).get_scale() == 8.0
