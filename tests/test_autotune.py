@@ -5,7 +5,6 @@ the decision on injected measurements; plans through JSON and .keras."""
 from __future__ import annotations
 
 import json
-import warnings
 
 import keras
 import numpy as np
