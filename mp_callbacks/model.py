@@ -501,6 +501,13 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
     #: scale when it changes (they hold scaled gradients' values); False
     #: leaves them as stock Keras does, a binade or more off after a change.
     float8_follows_loss_scale = True
+    #: The speed work of the step: on TensorFlow the update compiled by XLA
+    #: or gated write by write (`backends/tensorflow/skip.py`); on JAX the
+    #: gated writes; on torch the host's share of the scale's update. False
+    #: runs the reference step instead (TensorFlow: the update inside one
+    #: `tf.cond`, as Keras's `LossScaleOptimizer`), bit for bit the same
+    #: training, for a bug report or a comparison.
+    fast_step = True
 
     def _float8_following_the_scale(self) -> list[Any]:
         """The float8 state to rescale with the loss scale in this step."""
@@ -543,6 +550,7 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
         # The model's own step puts the forward pass's state back itself.
         forward_state = self._read_forward_state(data) if self._overrides_train_step() else None
         with loss_scale.recording() as record:
+            record.reference = not self.fast_step
             logs = self.train_step(data)
             self._epoch_signals.samples.update_state(tf.cast(_batch_size(data), tf.float32))
             return self._finish_step(record, logs, forward_state)

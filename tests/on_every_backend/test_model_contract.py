@@ -292,3 +292,32 @@ def test_a_trained_model_pickles_and_trains_on_as_the_original():
     assert histories[0] == histories[1]
     for a, b in zip(model.weights + model.optimizer.variables, copy.weights + copy.optimizer.variables):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+@pytest.mark.parametrize(
+    "optimizer", [lambda: keras.optimizers.SGD(0.01, momentum=0.9), lambda: keras.optimizers.Adam(1e-3)]
+)
+def test_the_reference_step_trains_bit_for_bit_as_the_fast_one(optimizer):
+    # `fast_step = False` swaps each backend's speed work (TF: the compiled
+    # or gated update; JAX: the gated writes; torch: the host's share of the
+    # scale's update) for the reference path: the training must not change.
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    x, y = _data(64)
+    x[20, 1] = np.nan  # step 2 skipped for its loss, after the scale's back-offs
+    trained = []
+    for fast in (True, False):
+        model = _functional(
+            mp.MixedPrecisionModel, loss_scale={"initial_scale": 2.0**19, "growth_interval": 3}
+        )
+        model.fast_step = fast
+        model.compile(optimizer(), "mse")
+        history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False).history
+        trained.append((_state(model), model.loss_scale_state(), history))
+    (fast_state, fast_scale, fast_logs), (reference_state, reference_scale, reference_logs) = trained
+    assert fast_scale == reference_scale
+    assert fast_scale["skipped_steps"] >= 3  # overflows (calibration) and the NaN batch
+    np.testing.assert_equal(fast_logs, reference_logs)
+    assert 0 < fast_logs["skipped_steps"][1] < 8 and math.isfinite(fast_logs["grad_norm"][0])
+    assert len(fast_state) == len(reference_state)  # (the layers' names differ)
+    for (path, value), reference in zip(fast_state.items(), reference_state.values()):
+        np.testing.assert_array_equal(reference, value, err_msg=path)

@@ -164,6 +164,12 @@ class VariableScaleModel(keras.Model):
     #: scale when it changes (they hold scaled gradients' values); False
     #: leaves them as stock Keras does, a binade or more off after a change.
     float8_follows_loss_scale = True
+    #: The speed work of the step (JAX: each write of the update gated;
+    #: torch: the host's share of the scale's update). False runs the
+    #: reference step, bit for bit the same training: JAX computes the
+    #: update and then chooses it with `where`; torch updates the scale's
+    #: state in tensors.
+    fast_step = True
 
     def __init__(self, *args: Any, loss_scale: Any = AUTO, **kwargs: Any) -> None:
         if functional_init_arguments(args, kwargs):

@@ -68,6 +68,7 @@ class MixedPrecisionModel(VariableScaleModel):
             {name: positions[id(v)] for name, v in ours.items()},
             non_trainable_variables,
             watched=self.__dict__.get("_mp_watching", False),
+            fast=self.fast_step,
         )
 
     def make_train_function(self, force: bool = False) -> None:

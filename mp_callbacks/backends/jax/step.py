@@ -91,6 +91,7 @@ def apply_if_finite(
     optimizer_vars: Sequence[Any],
     grads: Sequence[Any],
     trainable: Sequence[Any],
+    gated: bool = True,
 ) -> tuple[list[Any], list[Any]]:
     """`optimizer.stateless_apply(optimizer_vars, grads, trainable)` where
     `applied`, else `(trainable, optimizer_vars)` as they came in.
@@ -102,12 +103,13 @@ def apply_if_finite(
     keeps it from fusing with the gradients' last ops: an ulp off stock).
     Any other optimizer updates as stock does and one conditional chooses
     after it: exact for every update, at the price of copying the weights
-    and slots.
+    and slots. That is the reference path, which `gated=False` takes for
+    every optimizer.
     """
     optimizer_vars, grads, trainable = list(optimizer_vars), list(grads), list(trainable)
     weights = optimizer_built_variables(optimizer)
     fits = len(trainable) == len(weights) and len(optimizer_vars) == len(optimizer.variables)
-    if not (gates_writes_exactly(optimizer) and optimizer.built and fits):
+    if not (gated and gates_writes_exactly(optimizer) and optimizer.built and fits):
         # (stateless_apply also raises Keras's own error for state that does not fit)
         new_trainable, new_optimizer_vars = optimizer.stateless_apply(optimizer_vars, grads, trainable)
         return keep_if_skipped(
@@ -155,8 +157,11 @@ class LossScaling:
         positions: dict[str, int],
         non_trainable: Any,
         watched: bool = False,
+        fast: bool = True,
     ) -> None:
         self._settings = settings
+        #: Gated writes (False: the reference update, chosen after it).
+        self._fast = fast
         self._at = positions
         #: Whether the model's train function watches the step's logs for
         #: the hand-over (`WATCH_KEYS`) instead of a host callback.
@@ -200,7 +205,7 @@ class LossScaling:
         where the step applies, the trainable and optimizer values that came
         in where it is skipped (see `apply_if_finite`: for Keras's common
         optimizers it costs what the update alone costs)."""
-        return apply_if_finite(outcome.applied, optimizer, optimizer_vars, grads, trainable)
+        return apply_if_finite(outcome.applied, optimizer, optimizer_vars, grads, trainable, self._fast)
 
     def hand_over_if_skipped(
         self, outcome: StepOutcome, non_trainable: Sequence[Any], batch: Any, receive: Any

@@ -111,7 +111,7 @@ def apply_or_skip(
         ):
             return "gated"
         mechanism = "cond"
-    if mechanism == "cond":
+    if mechanism == "cond" and not _needs_merge_call():
         tf.cond(
             decision,
             lambda: _apply(optimizer, grads, variables),

@@ -158,6 +158,7 @@ def apply_unscaled(
         # Computed from the loss, so whatever waits for it comes after
         # every read of the forward pass.
         forward_done=None if loss is None else tf.equal(loss_flag, 0),
+        mechanism="cond" if record is not None and record.reference else None,
     )
     # Update the state, now or at the step's end.
     entry = (variables, flags, applied if replicas == 1 else None)

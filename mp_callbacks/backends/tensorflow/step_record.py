@@ -35,6 +35,9 @@ class StepRecord:
         norms: the global norm of each apply's unscaled gradients.
         norm_factor: multiplies the reported norm (the replica count, for
             the model's own step, whose loss Keras divides by it).
+        reference: every apply of the step takes the reference path, the
+            update inside one `tf.cond` (`MixedPrecisionModel.fast_step`
+            False), not the compiled or gated update.
     """
 
     losses: list[Any] = field(default_factory=list)
@@ -42,6 +45,7 @@ class StepRecord:
     applied: list[tf.Tensor] = field(default_factory=list)
     norms: list[tf.Tensor] = field(default_factory=list)
     norm_factor: int = 1
+    reference: bool = False
 
     def note_loss(self, loss: Any) -> None:
         if loss is not None and all(loss is not seen for seen in self.losses):

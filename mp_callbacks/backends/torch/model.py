@@ -47,8 +47,8 @@ class MixedPrecisionModel(VariableScaleModel):
         settings = self._loss_scaling_settings()
         variables = {**self._mp_state, **self._mp_epoch, **self._mp_counts}
         if torch.compiler.is_compiling():  # traced: the graph holds the tensors
-            return torch_step.LossScaling(settings, variables)
-        return torch_step.LossScaling(settings, variables, self._mp_tensors_of(variables))
+            return torch_step.LossScaling(settings, variables, fast=self.fast_step)
+        return torch_step.LossScaling(settings, variables, self._mp_tensors_of(variables), self.fast_step)
 
     def _mp_tensors_of(self, variables: dict[str, Any]) -> dict[str, Any]:
         """The state variables' tensors, by name, looked up once: Keras's

@@ -171,8 +171,11 @@ class LossScaling:
         settings: _scale_state.ScaleSettings,
         variables: dict[str, Any],
         tensors: dict[str, torch.Tensor] | None = None,
+        fast: bool = True,
     ) -> None:
         self._settings = settings
+        #: The host's share of the scale's update (False: all in tensors).
+        self._fast = fast
         self._variables = variables
         #: The variables' tensors by name (each variable's `.value` if not given).
         self._tensors = tensors
@@ -209,7 +212,8 @@ class LossScaling:
         the step's one sync (`applies` and `finish` reuse it)."""
         tensors = self._state_tensors()
         overwrite = None if variables is None else [overwrites_with_gradient(v) for v in variables]
-        outcome, reading = check_on_host(grads, losses, {name: tensors[name] for name in _READ}, overwrite)
+        read = {name: tensors[name] for name in _READ} if self._fast else None
+        outcome, reading = check_on_host(grads, losses, read, overwrite)
         self._readings[id(outcome.applied)] = reading
         return outcome
 
@@ -252,7 +256,7 @@ class LossScaling:
         values = self._state_tensors()
         reading = None if torch.compiler.is_compiling() else self._readings.get(id(outcome.applied))
         with torch.no_grad():
-            if reading is not None and reading.applied and reading.values is not None:
+            if self._fast and reading is not None and reading.applied and reading.values is not None:
                 # Nearly every step: the host's reading leaves a few writes.
                 return update_after_applied_step(
                     self._settings,
