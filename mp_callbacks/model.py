@@ -44,6 +44,7 @@ from mp_callbacks._model_building import (
 )
 from mp_callbacks.backends.tensorflow import step as tf_step
 from mp_callbacks.backends.tensorflow.forward_writes import written_variables
+from mp_callbacks.backends.tensorflow.loss_scaling import LossScaling
 from mp_callbacks.backends.tensorflow.step_record import StepRecord
 from mp_callbacks.errors import MixedPrecisionWarning
 from mp_callbacks.loss_scale import LossScaler, loss_scale_from_argument
@@ -554,6 +555,14 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
             logs = self.train_step(data)
             self._epoch_signals.samples.update_state(tf.cast(_batch_size(data), tf.float32))
             return self._finish_step(record, logs, forward_state)
+
+    def loss_scaling(self) -> LossScaling:
+        """The loss scale for one step of your own (see `LossScaling`):
+        the recipe's verbs, the same on every backend (a GAN's two
+        optimizers share one scale and one decision)."""
+        if self._loss_scale is None:
+            raise RuntimeError("MixedPrecisionModel must be compiled before training.")
+        return LossScaling(self._loss_scale, self.non_trainable_variables)
 
     @property
     def losses(self) -> list[Any]:

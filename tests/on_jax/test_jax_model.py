@@ -116,7 +116,7 @@ class _ScaledOwnStep(mp.MixedPrecisionModel):
         trainable, optimizer_vars = scaling.apply_if_finite(
             outcome, self.optimizer, optimizer_vars, grads, trainable
         )
-        non_trainable = scaling.keep_if_skipped(outcome, list(new_non_trainable), list(non_trainable))
+        non_trainable = scaling.commit(outcome, list(new_non_trainable), list(non_trainable))
         non_trainable, logs = scaling.finish(outcome, non_trainable, x.shape[0])
         return {"loss": loss, **logs}, (trainable, non_trainable, optimizer_vars, metrics_vars)
 

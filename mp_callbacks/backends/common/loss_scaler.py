@@ -198,12 +198,10 @@ class LossScaler(ScaleConfig):
     def __getattr__(self, name: str) -> Any:
         if name in _TENSORFLOW_STEP_METHODS:
             where = (
-                "use model.loss_scaling(non_trainable_variables) of a MixedPrecisionModel "
-                "(scale, unscale, check, keep_if_skipped, finish)"
+                "use model.loss_scaling(non_trainable_variables) of a MixedPrecisionModel"
                 if BACKEND == "jax"
-                else "use model.loss_scaling() of a MixedPrecisionModel (scale, unscale, check, "
-                "apply_if_finite, finish)"
-            )
+                else "use model.loss_scaling() of a MixedPrecisionModel"
+            ) + " (scale, unscale, check, apply_if_finite, commit, finish)"
             raise BackendNotSupportedError(
                 f"LossScaler.{name} runs inside a TensorFlow step and Keras's backend is "
                 f"{BACKEND!r}: inside your own train_step, {where}."

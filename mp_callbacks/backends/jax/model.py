@@ -139,7 +139,7 @@ class MixedPrecisionModel(VariableScaleModel):
         trainable, optimizer_vars = scaling.apply_if_finite(
             outcome, self.optimizer, optimizer_vars, grads, trainable
         )
-        non_trainable = scaling.keep_if_skipped(outcome, list(new_non_trainable), list(non_trainable))
+        non_trainable = scaling.commit(outcome, list(new_non_trainable), list(non_trainable))
         batch_size = next(t for t in keras.tree.flatten(x) if t is not None).shape[0]
         non_trainable, scale_logs = scaling.finish(outcome, non_trainable, batch_size)
         if self.float8_follows_loss_scale and scaling.active:

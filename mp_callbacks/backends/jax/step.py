@@ -91,7 +91,7 @@ def apply_if_finite(
     optimizer_vars: Sequence[Any],
     grads: Sequence[Any],
     trainable: Sequence[Any],
-    gated: bool = True,
+    gate_writes: bool = True,
 ) -> tuple[list[Any], list[Any]]:
     """`optimizer.stateless_apply(optimizer_vars, grads, trainable)` where
     `applied`, else `(trainable, optimizer_vars)` as they came in.
@@ -103,13 +103,13 @@ def apply_if_finite(
     keeps it from fusing with the gradients' last ops: an ulp off stock).
     Any other optimizer updates as stock does and one conditional chooses
     after it: exact for every update, at the price of copying the weights
-    and slots. That is the reference path, which `gated=False` takes for
+    and slots. That is the reference path, which `gate_writes=False` takes for
     every optimizer.
     """
     optimizer_vars, grads, trainable = list(optimizer_vars), list(grads), list(trainable)
     weights = optimizer_built_variables(optimizer)
     fits = len(trainable) == len(weights) and len(optimizer_vars) == len(optimizer.variables)
-    if not (gated and gates_writes_exactly(optimizer) and optimizer.built and fits):
+    if not (gate_writes and gates_writes_exactly(optimizer) and optimizer.built and fits):
         # (stateless_apply also raises Keras's own error for state that does not fit)
         new_trainable, new_optimizer_vars = optimizer.stateless_apply(optimizer_vars, grads, trainable)
         return keep_if_skipped(
@@ -145,9 +145,10 @@ class LossScaling:
     (`model.loss_scaling(non_trainable_variables)`).
 
     Scale each loss inside the function you differentiate, unscale its
-    gradients, check all of the step's gradients once, keep what came in
-    where the step is skipped, and finish: the scale's next state goes back
-    into the non-trainable variables, and the figures into the logs. Two
+    gradients, check all of the step's gradients once, `apply_if_finite`
+    each optimizer, `commit` the forward pass's writes, and finish: the
+    scale's next state goes back into the non-trainable variables, and the
+    figures into the logs. Two
     optimizers (a GAN's) share the one scale and the one decision.
     """
 
@@ -188,9 +189,10 @@ class LossScaling:
         leaves out float8 state among `variables`)."""
         return check(grads, losses, variables)
 
-    def keep_if_skipped(self, outcome: StepOutcome, new: Any, old: Any) -> Any:
-        """`new` (what the optimizers computed) if the step applies, else
-        `old` (the state that came in)."""
+    def commit(self, outcome: StepOutcome, new: Any, old: Any) -> Any:
+        """`new` (what the forward pass wrote: `stateless_call`'s
+        non-trainable values, or any other state the step computed) if the
+        step applies, else `old` (the state that came in)."""
         return keep_if_skipped(outcome.applied, new, old)
 
     def apply_if_finite(
