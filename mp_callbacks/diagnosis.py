@@ -528,10 +528,15 @@ def diagnose_batch(
             model, (x, y, sample_weight), loss_scale, list(zip(forward_state, saved_state)), watch_inputs
         )
 
+    def traced() -> list[Any]:
+        return _traced_gradients(
+            model, (x, y, sample_weight), float(loss_scale), list(zip(forward_state, saved_state))
+        )
+
     if BACKEND in ("jax", "torch"):
         backward = _backward_from_probes(model, x, y, sample_weight, float(loss_scale))
     else:
-        backward = _backward_on_tensorflow(forward, notes)
+        backward = _backward_on_tensorflow(forward, notes, traced if float8_layers(model) else None)
     labels = layer_labels(model)
     called_again = {id(layer) for layer, index in backward.order if index > 0}
     layer_records = {}
@@ -586,8 +591,7 @@ def _float8_report(
         grads = [g for g in backward.gradients[start + n_in : start + n_in + n_out] if g is not None]
         if not grads:
             notes.append(
-                f"no output gradient for float8 layer {label!r}: the backward pass did not reach it "
-                "(on TensorFlow, Keras's float8 gradient runs only inside a traced function)."
+                f"no output gradient for float8 layer {label!r}: the backward pass did not reach it."
             )
         else:
             values = np.concatenate(
@@ -626,13 +630,23 @@ class _Backward(NamedTuple):
     gradients: list[Any]
 
 
-def _backward_on_tensorflow(forward: Any, notes: list[str]) -> _Backward:
+def _backward_on_tensorflow(forward: Any, notes: list[str], traced: Any = None) -> _Backward:
     """Every layer's inputs, own weights and outputs, in one backward pass
-    on one persistent tape."""
+    on one persistent tape; with `traced` (a model with float8 layers,
+    whose gradient Keras computes only in a traced function), that pass
+    again inside a `tf.function`."""
     replay = forward(watch_inputs=True)
     if replay.loss is None:
         return _Backward(replay.order, replay.calls, None, [], [])
     spans, targets = _gradient_targets(replay.order, replay.calls)
+    if traced is not None:
+        try:
+            gradients = traced()
+            if len(gradients) == len(targets):
+                return _Backward(replay.order, replay.calls, replay.loss, spans, gradients)
+            notes.append("the traced backward pass called other layers than the replay; not used.")
+        except Exception as error:  # the eager pass below, with its own notes
+            notes.append(f"no traced backward pass ({type(error).__name__}: {error}).")
     try:
         gradients = replay.tape.gradient(replay.scaled_loss, targets) if targets else []
     except _NO_GRADIENT as error:
@@ -729,6 +743,29 @@ def _replay(
             variable.assign(value)
     order, calls = _calls_in_order(records)
     return _Replay(tape, loss, scaled_loss, order, calls)
+
+
+def _traced_gradients(
+    model: keras.Model, data: tuple, loss_scale: float, state: list[tuple[Any, Any]]
+) -> list[Any]:
+    """`_replay`'s backward pass inside a `tf.function` (the targets of
+    `_gradient_targets`, in the same order), with the state it updates put
+    back after: Keras's float8 layers have a gradient only there."""
+
+    def gradients(x: Any, y: Any, sample_weight: Any) -> list[Any]:
+        tape = tf.GradientTape(persistent=True)
+        with recording_layers(model, tape, watch_inputs=True) as records, tape:
+            y_pred = model(x, training=True)
+            loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+            scaled_loss = tf.cast(loss, tf.float32) * tf.constant(loss_scale, tf.float32)
+        _, targets = _gradient_targets(*_calls_in_order(records))
+        return tape.gradient(scaled_loss, targets)
+
+    try:
+        return list(tf.function(gradients, autograph=False)(*data))
+    finally:
+        for variable, value in state:
+            variable.assign(value)
 
 
 def _note_gradients(

@@ -75,8 +75,7 @@ class HeadroomMonitor(MixedPrecisionCallback):
     `.../amax_ratio` and the what-if `.../current_underflow` and
     `.../mx_underflow`, and `float8/<layer>/history_nonfinite`; with
     `probe_targets`, one backward pass of the probe adds the
-    `outputs_grad` tensor (JAX and PyTorch; on TensorFlow Keras's float8
-    gradient runs only traced). A warning names a tensor the first time
+    `outputs_grad` tensor. A warning names a tensor the first time
     more than 5 % of it saturates. `plot()` draws the figures by layer
     and epoch.
 

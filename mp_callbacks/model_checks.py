@@ -423,10 +423,6 @@ def _low_precision_variable_findings(model: keras.Model) -> list[Finding]:
     ]
 
 
-def _low_precision_layers(layers: Any) -> list[Any]:
-    return [layer for layer in layers if _compute_dtype(layer) in _LOW_PRECISION]
-
-
 def _has_graph(model: Any) -> bool:
     return has_layer_graph(model)
 
