@@ -5,6 +5,7 @@ of a subclass."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import logging
 import os
@@ -23,7 +24,16 @@ from mp_callbacks._keras_internals import (
 from mp_callbacks.errors import MixedPrecisionWarning
 from mp_callbacks.model_checks import check_model
 
-__all__ = ["LOG_KEYS", "follow_global_policy", "functional_variant", "warn_about_findings", "wrap_model"]
+__all__ = [
+    "LOG_KEYS",
+    "adopted_model_class",
+    "adopts_a_functional_class",
+    "default_optimizer_argument",
+    "follow_global_policy",
+    "functional_variant",
+    "warn_about_findings",
+    "wrap_model",
+]
 
 logger = logging.getLogger("mp_callbacks.model")
 
@@ -66,6 +76,41 @@ def follow_global_policy(model: keras.Model) -> None:
 _FUNCTIONAL_VARIANTS: dict[type, type] = {}
 
 
+def adopted_model_class(cls: type) -> type | None:
+    """The Keras model class, from outside this library, that `cls` (a
+    MixedPrecisionModel or a subclass) also derives from: a KerasHub task
+    (`class MyLM(MixedPrecisionModel, GPT2CausalLM)`); None for any other."""
+    keras_own = set(functional_class().__mro__) | set(keras.Sequential.__mro__)
+    for base in cls.__mro__:
+        if not issubclass(base, keras.Model) or base in keras_own:
+            continue
+        if not any(c.__module__.split(".")[0] == "mp_callbacks" for c in base.__mro__):
+            return base
+    return None
+
+
+def adopts_a_functional_class(cls: type) -> bool:
+    """Whether `cls` adopts a Keras model class (`adopted_model_class`)
+    and no class of it has a `call` of its own: its constructor (a KerasHub
+    task's) builds it functionally."""
+    keras_own = set(functional_class().__mro__)
+    return adopted_model_class(cls) is not None and not any(
+        "call" in vars(base) for base in cls.__mro__ if base not in keras_own
+    )
+
+
+def default_optimizer_argument(compile_method: Any) -> Any:
+    """The default `optimizer` of a compile method: keras.Model's
+    "rmsprop", or the class's own (a KerasHub task's "auto")."""
+    try:
+        parameter = inspect.signature(compile_method).parameters.get("optimizer")
+    except (TypeError, ValueError):
+        parameter = None
+    if parameter is None or parameter.default is inspect.Parameter.empty:
+        return "rmsprop"
+    return parameter.default
+
+
 def functional_variant(cls: type) -> type:
     """`cls` with Functional mixed in, made once per class.
 
@@ -77,6 +122,8 @@ def functional_variant(cls: type) -> type:
     """
     Functional = functional_class()
 
+    if Functional in cls.__bases__:  # a variant already
+        return cls
     variant = _FUNCTIONAL_VARIANTS.get(cls)
     if variant is None:
         variant = type(
@@ -156,6 +203,17 @@ def wrap_model(cls: type, model: Any, loss_scale: Any, kwargs: dict[str, Any]) -
             f"with keras.Input); received model={model.name!r} of type "
             f"{type(model).__name__}. Subclassed models should subclass "
             "MixedPrecisionModel instead."
+        )
+    adopted = adopted_model_class(type(model))
+    if adopted is not None:
+        warnings.warn(
+            f"MixedPrecisionModel.from_model wraps the graph of {model.name!r} in a functional "
+            f"model, without the methods of {adopted.__name__} (a KerasHub task's generate(), "
+            "preprocessor and saving). To keep them, subclass both and build it as "
+            f"{adopted.__name__} is built: class Mixed{adopted.__name__}(MixedPrecisionModel, "
+            f"{adopted.__name__}): pass.",
+            MixedPrecisionWarning,
+            stacklevel=3,
         )
     kwargs.setdefault("name", model.name)
     follow_global_policy(model)

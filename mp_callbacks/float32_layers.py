@@ -9,6 +9,7 @@ from mp_callbacks._backend import keras
 from mp_callbacks._cloning import layers_within, rebuilt, set_nested_dtypes
 from mp_callbacks._keras_internals import has_layer_graph, is_functional
 from mp_callbacks._layer_labels import known_labels
+from mp_callbacks._model_building import adopted_model_class
 from mp_callbacks._validation import fail
 
 __all__ = ["float32_copy", "with_float32_layers"]
@@ -133,8 +134,11 @@ def float32_copy(model: keras.Model) -> keras.Model:
     # In the config too (a wrapper's layer, a nested model's), so that a
     # save of the copy loads as float32 under any global policy.
     float32 = keras.dtype_policies.serialize(keras.dtype_policies.get("float32"))
-    set_nested_dtypes(config.get("layers", []), float32, input_dtype="float32")
-    plain = keras.Sequential if isinstance(model, keras.Sequential) else keras.Model
+    # An adopted KerasHub task is copied as the task (`generate()` kept),
+    # its backbone's config in float32 too.
+    adopted = adopted_model_class(type(model))
+    set_nested_dtypes(config if adopted else config.get("layers", []), float32, input_dtype="float32")
+    plain = adopted or (keras.Sequential if isinstance(model, keras.Sequential) else keras.Model)
     clone = rebuilt(model, config, plain, lambda layer: "float32", global_policy="float32")
     if plain is keras.Model and not keras.tree.is_nested(model.input) and keras.tree.is_nested(clone.input):
         # Keras 3.10's config round trip turns a single input into a list of one,

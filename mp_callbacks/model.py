@@ -38,6 +38,8 @@ from mp_callbacks._keras_internals import (
 from mp_callbacks._loss_scale_argument import AUTO
 from mp_callbacks._model_building import (
     LOG_KEYS,
+    adopts_a_functional_class,
+    default_optimizer_argument,
     functional_variant,
     warn_about_findings,
     wrap_model,
@@ -263,8 +265,31 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
     """
 
     _loss_scale: Any  # a LossScaler once compiled (None before, for "auto")
+    _loss_scale_chosen_by: str | None
+    _epoch_signals: _EpochSignals
+    _kept_batch: _KeptBatch
+    _checked_model: bool
+    _loading: bool
+    _warned_unscaled_step: bool
 
     def __init__(self, *args: Any, loss_scale: Any = _AUTO, **kwargs: Any) -> None:
+        scaler = loss_scale_from_argument(loss_scale)
+        # Set before the constructors below run: a KerasHub task adopted by
+        # a subclass (`class MyLM(MixedPrecisionModel, GPT2CausalLM)`)
+        # compiles inside its own constructor.
+        attributes = {
+            "_loss_scale": scaler,
+            # Who chose the loss scale: the user, or compile ("auto", or no
+            # scaling for auto_scale_loss=False), which may choose again.
+            "_loss_scale_chosen_by": "user" if scaler is not None else None,
+            "_epoch_signals": _EpochSignals(),
+            "_kept_batch": _KeptBatch(),
+            "_checked_model": False,
+            "_loading": False,
+            "_warned_unscaled_step": False,
+        }
+        for name, value in attributes.items():
+            object.__setattr__(self, name, value)
         if functional_init_arguments(args, kwargs):
             # The arguments that reach here decide, as in keras.Model (not
             # a subclass's own constructor arguments, such as a VAE's
@@ -273,16 +298,15 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
                 self.__class__ = functional_variant(type(self))
             init_functional(self, args, kwargs)
         else:
+            if adopts_a_functional_class(type(self)):
+                # Its constructor builds functionally: with Functional mixed
+                # in beforehand, Keras does not inject it into every base
+                # class (KerasHub resets its own bases at each construction).
+                self.__class__ = functional_variant(type(self))
             super().__init__(*args, **kwargs)
-        self._loss_scale = loss_scale_from_argument(loss_scale)
-        # Who chose the loss scale: the user, or compile ("auto", or no
-        # scaling for auto_scale_loss=False), which may choose again.
-        self._loss_scale_chosen_by = "user" if self._loss_scale is not None else None
-        self._epoch_signals = _EpochSignals()
-        self._kept_batch = _KeptBatch()
-        self._checked_model = False
-        self._loading = False
-        self._warned_unscaled_step = False
+        if self.__dict__.get("_loss_scale") is scaler:  # tracked as before (TF checkpoints)
+            del self.__dict__["_loss_scale"]
+            self._loss_scale = scaler
 
     # ------------------------------------------------------------ creation
     @classmethod
@@ -412,8 +436,10 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
         return self._loss_scale.nonfinite_gradient_counts()
 
     # ------------------------------------------------------------- compile
-    def compile(self, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> None:
-        """As `keras.Model.compile`, with one loss scale guaranteed.
+    def compile(self, optimizer: Any = None, *args: Any, **kwargs: Any) -> None:
+        """As `keras.Model.compile`, with one loss scale guaranteed (the
+        optimizer defaults to that of the class adopted: Keras's "rmsprop",
+        a KerasHub task's own).
 
         The model scales the loss itself, so Keras's own wrapping is always
         off; `auto_scale_loss=False` means no scaling (as in Keras) unless
@@ -426,7 +452,11 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
         about what it finds.
         """
         auto_scale_loss = kwargs.pop("auto_scale_loss", True)
-        optimizer = keras.optimizers.get(optimizer)
+        if optimizer is None:
+            optimizer = default_optimizer_argument(super().compile)
+        # "auto": a KerasHub task's own choice, made by its compile below.
+        if not (isinstance(optimizer, str) and optimizer == "auto"):
+            optimizer = keras.optimizers.get(optimizer)
         adopted = given_wrapper = None
         if isinstance(optimizer, LossScaleOptimizer):
             adopted, given_wrapper = optimizer.scaler, optimizer

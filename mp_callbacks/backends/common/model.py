@@ -30,6 +30,8 @@ from mp_callbacks._keras_internals import (
 from mp_callbacks._loss_scale_argument import AUTO
 from mp_callbacks._model_building import (
     LOG_KEYS,
+    adopts_a_functional_class,
+    default_optimizer_argument,
     functional_variant,
     warn_about_findings,
     wrap_model,
@@ -172,14 +174,11 @@ class VariableScaleModel(keras.Model):
     fast_step = True
 
     def __init__(self, *args: Any, loss_scale: Any = AUTO, **kwargs: Any) -> None:
-        if functional_init_arguments(args, kwargs):
-            if not isinstance(self, functional_class()):
-                self.__class__ = functional_variant(type(self))
-            init_functional(self, args, kwargs)
-        else:
-            super().__init__(*args, **kwargs)
         scaler = scaler_from_argument(loss_scale)
-        self._mp_chosen_by = "user" if scaler is not None else None
+        # Made before the constructors below run: a KerasHub task adopted
+        # by a subclass (`class MyLM(MixedPrecisionModel, GPT2CausalLM)`)
+        # compiles inside its own constructor.
+        object.__setattr__(self, "_mp_chosen_by", "user" if scaler is not None else None)
         initial = _scale_state.initial_values(_DYNAMIC)
         # Untracked by Keras (not the model's own weights: a plain
         # keras.Model with the same layers loads this model's weights, and
@@ -196,10 +195,22 @@ class VariableScaleModel(keras.Model):
         # once the variables are known (`_count_gradients`).
         object.__setattr__(self, "_mp_counts", {})
         object.__setattr__(self, "_mp_kept", _KeptBatch(type(self)._mp_kept_barrier))
-        #: The LossScaler in use, reading `_mp_state` (None: "auto" until compile).
-        object.__setattr__(self, "_mp_scaler", None)
         if scaler is not None:
-            self._adopt(scaler)
+            scaler.bind(state)  # in use from the start: a task compiles in its constructor
+        #: The LossScaler in use, reading `_mp_state` (None: "auto" until compile).
+        object.__setattr__(self, "_mp_scaler", scaler)
+        if functional_init_arguments(args, kwargs):
+            if not isinstance(self, functional_class()):
+                self.__class__ = functional_variant(type(self))
+            init_functional(self, args, kwargs)
+        else:
+            if adopts_a_functional_class(type(self)):
+                # Its constructor builds functionally: with Functional mixed
+                # in beforehand, Keras does not inject it into every base
+                # class (KerasHub resets its own bases at each construction).
+                self.__class__ = functional_variant(type(self))
+            super().__init__(*args, **kwargs)
+        self._count_gradients()
 
     def _has_own_train_step(self) -> bool:
         return type(self).train_step is not type(self)._mp_default_train_step
@@ -364,10 +375,14 @@ class VariableScaleModel(keras.Model):
         self._mp_kept.receive(batch, step)
 
     # ------------------------------------------------------------- compile
-    def compile(self, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> None:
+    def compile(self, optimizer: Any = None, *args: Any, **kwargs: Any) -> None:
         """As `keras.Model.compile`, with one loss scale: Keras's own
         wrapping is off; a Keras `LossScaleOptimizer` is unwrapped and its
-        scale adopted; `auto_scale_loss=False` turns off "auto"."""
+        scale adopted; `auto_scale_loss=False` turns off "auto". The
+        optimizer defaults to that of the class adopted (Keras's "rmsprop",
+        a KerasHub task's own)."""
+        if optimizer is None:
+            optimizer = default_optimizer_argument(super().compile)
         if self._has_own_train_step():
             # Your own train_step applies through self.optimizer: compiled
             # as stock Keras compiles it (a loss-scale optimizer under
@@ -399,7 +414,9 @@ class VariableScaleModel(keras.Model):
             self._build_optimizer()
             return
         auto_scale_loss = kwargs.pop("auto_scale_loss", True)
-        optimizer = keras.optimizers.get(optimizer)
+        # "auto": a KerasHub task's own choice, made by its compile below.
+        if not (isinstance(optimizer, str) and optimizer == "auto"):
+            optimizer = keras.optimizers.get(optimizer)
         adopted = None
         if isinstance(getattr(optimizer, "scaler", None), LossScaler):
             adopted = optimizer.scaler.settings  # mp_callbacks.LossScaleOptimizer: all of its settings

@@ -1,0 +1,90 @@
+"""A KerasHub task adopted the documented way, a subclass that mixes
+`MixedPrecisionModel` in before the task's class, on every backend where
+keras-hub is installed: it keeps the task (its compile defaults,
+`generate()`, saving as the task), trains as stock in float32, skips a
+poisoned step, and copies to the float32 task."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import mp_callbacks as mp
+
+keras_hub = pytest.importorskip("keras_hub")
+
+
+@keras.saving.register_keras_serializable(package="test_adopted_task")
+class MixedGPT2(mp.MixedPrecisionModel, keras_hub.models.GPT2CausalLM):
+    pass
+
+
+def _backbone():
+    return keras_hub.models.GPT2Backbone(
+        vocabulary_size=64,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=16,
+    )
+
+
+def _batch(n=8):
+    rng = np.random.default_rng(0)
+    x = {"token_ids": rng.integers(0, 64, (n, 16)).astype("int32"), "padding_mask": np.ones((n, 16), bool)}
+    return x, rng.integers(0, 64, (n, 16))
+
+
+def test_an_adopted_task_trains_as_stock_and_keeps_the_task(tmp_path):
+    x, y = _batch()
+    trained = []
+    for cls in (keras_hub.models.GPT2CausalLM, MixedGPT2, keras_hub.models.GPT2CausalLM, MixedGPT2):
+        keras.utils.set_random_seed(3)
+        model = cls(backbone=_backbone(), preprocessor=None)  # compiled by the task: its defaults
+        losses = model.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False).history["loss"]
+        trained.append((losses, [w.numpy() for w in model.weights]))
+    # Built in any order beside the stock task: our class is never rewritten.
+    assert "Functional" not in [c.__name__ for c in mp.MixedPrecisionModel.__mro__]
+    stock, ours = trained[0], trained[1]
+    assert ours[0] == stock[0] and all(np.array_equal(a, b) for a, b in zip(stock[1], ours[1]))
+    assert isinstance(model.optimizer, keras.optimizers.Adam) and model.loss.get_config()["from_logits"]
+    assert sorted(model.generate({k: v[:1] for k, v in x.items()}, stop_token_ids=None)) == [
+        "padding_mask",
+        "token_ids",
+    ]
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = MixedGPT2(backbone=_backbone(), preprocessor=None)
+    assert mp.check_model(model) == [] and model.get_scale() == 2.0**15
+    model.fit(x, y, verbose=0)  # 8 samples, the default batch size
+    before = [w.numpy().copy() for w in model.weights + model.optimizer.variables]
+    poisoned = model.fit(x, y, sample_weight=np.full((8, 16), np.nan, "float32"), verbose=0).history
+    after = [w.numpy() for w in model.weights + model.optimizer.variables]
+    assert poisoned["skipped_steps"] == [1.0]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+
+    path = str(tmp_path / "adopted.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert type(loaded).__name__ == "MixedGPT2" and isinstance(loaded, keras_hub.models.GPT2CausalLM)
+    assert loaded.get_scale() == model.get_scale()
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+
+    served = mp.float32_copy(model)
+    assert type(served) is keras_hub.models.GPT2CausalLM
+    keras.mixed_precision.set_global_policy("float32")
+    reference = keras_hub.models.GPT2CausalLM(backbone=_backbone(), preprocessor=None)
+    reference.set_weights(model.get_weights())
+    np.testing.assert_array_equal(served.predict(x, verbose=0), reference.predict(x, verbose=0))
+    assert {layer.compute_dtype for layer in served._flatten_layers()} == {"float32"}
+
+
+def test_from_model_on_a_task_says_how_to_keep_it():
+    task = keras_hub.models.GPT2CausalLM(backbone=_backbone(), preprocessor=None)
+    with pytest.warns(
+        mp.MixedPrecisionWarning, match=r"class MixedGPT2CausalLM\(MixedPrecisionModel, GPT2CausalLM\)"
+    ):
+        wrapped = mp.MixedPrecisionModel.from_model(task)
+    assert not hasattr(wrapped, "generate")
