@@ -18,6 +18,8 @@ from mp_callbacks._backend import keras
 from mp_callbacks._keras_internals import (
     all_layers,
     functional_class,
+    functional_init_arguments,
+    init_functional,
     output_layers,
     register_serialized_name,
 )
@@ -28,6 +30,7 @@ __all__ = [
     "LOG_KEYS",
     "adopted_model_class",
     "adopts_a_functional_class",
+    "construct",
     "default_optimizer_argument",
     "follow_global_policy",
     "functional_variant",
@@ -97,6 +100,25 @@ def adopts_a_functional_class(cls: type) -> bool:
     return adopted_model_class(cls) is not None and not any(
         "call" in vars(base) for base in cls.__mro__ if base not in keras_own
     )
+
+
+def construct(model: Any, args: tuple, kwargs: dict, base_init: Any) -> None:
+    """Builds a MixedPrecisionModel as keras.Model builds itself:
+    functionally (`Model(inputs, outputs)`), through a functional variant
+    of its class; otherwise by `base_init()` (the next class's constructor:
+    keras.Model's, or an adopted task's, which builds functionally itself:
+    Functional is mixed in first, so that Keras does not inject it into
+    every base class, KerasHub resetting its own bases at each construction).
+    The arguments that reach here decide (not a subclass's own constructor
+    arguments, such as a VAE's encoder and decoder)."""
+    if functional_init_arguments(args, kwargs):
+        if not isinstance(model, functional_class()):
+            model.__class__ = functional_variant(type(model))
+        init_functional(model, args, kwargs)
+        return
+    if adopts_a_functional_class(type(model)):
+        model.__class__ = functional_variant(type(model))
+    base_init()
 
 
 def default_optimizer_argument(compile_method: Any) -> Any:

@@ -27,10 +27,7 @@ from mp_callbacks._keras_internals import (
     all_layers,
     call_has_training_arg,
     compute_loss,
-    functional_class,
-    functional_init_arguments,
     in_multi_worker_mode,
-    init_functional,
     keras_default_method,
     loss_tracker,
     make_step_function,
@@ -38,9 +35,8 @@ from mp_callbacks._keras_internals import (
 from mp_callbacks._loss_scale_argument import AUTO
 from mp_callbacks._model_building import (
     LOG_KEYS,
-    adopts_a_functional_class,
+    construct,
     default_optimizer_argument,
-    functional_variant,
     warn_about_findings,
     wrap_model,
 )
@@ -290,20 +286,7 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
         }
         for name, value in attributes.items():
             object.__setattr__(self, name, value)
-        if functional_init_arguments(args, kwargs):
-            # The arguments that reach here decide, as in keras.Model (not
-            # a subclass's own constructor arguments, such as a VAE's
-            # encoder and decoder).
-            if not isinstance(self, functional_class()):
-                self.__class__ = functional_variant(type(self))
-            init_functional(self, args, kwargs)
-        else:
-            if adopts_a_functional_class(type(self)):
-                # Its constructor builds functionally: with Functional mixed
-                # in beforehand, Keras does not inject it into every base
-                # class (KerasHub resets its own bases at each construction).
-                self.__class__ = functional_variant(type(self))
-            super().__init__(*args, **kwargs)
+        construct(self, args, kwargs, lambda: super(MixedPrecisionModel, self).__init__(*args, **kwargs))
         if self.__dict__.get("_loss_scale") is scaler:  # tracked as before (TF checkpoints)
             del self.__dict__["_loss_scale"]
             self._loss_scale = scaler

@@ -38,7 +38,7 @@ def _batch(n=8):
     return x, rng.integers(0, 64, (n, 16))
 
 
-def test_an_adopted_task_trains_as_stock_and_keeps_the_task(tmp_path):
+def test_an_adopted_task_trains_as_stock_and_keeps_the_task():
     x, y = _batch()
     trained = []
     for cls in (keras_hub.models.GPT2CausalLM, MixedGPT2, keras_hub.models.GPT2CausalLM, MixedGPT2):
@@ -56,23 +56,9 @@ def test_an_adopted_task_trains_as_stock_and_keeps_the_task(tmp_path):
         "token_ids",
     ]
 
-    keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")  # the copy of a mixed model
     model = MixedGPT2(backbone=_backbone(), preprocessor=None)
-    assert mp.check_model(model) == [] and model.get_scale() == 2.0**15
-    model.fit(x, y, verbose=0)  # 8 samples, the default batch size
-    before = [w.numpy().copy() for w in model.weights + model.optimizer.variables]
-    poisoned = model.fit(x, y, sample_weight=np.full((8, 16), np.nan, "float32"), verbose=0).history
-    after = [w.numpy() for w in model.weights + model.optimizer.variables]
-    assert poisoned["skipped_steps"] == [1.0]
-    assert all(np.array_equal(a, b) for a, b in zip(before, after))
-
-    path = str(tmp_path / "adopted.keras")
-    model.save(path)
-    loaded = keras.models.load_model(path)
-    assert type(loaded).__name__ == "MixedGPT2" and isinstance(loaded, keras_hub.models.GPT2CausalLM)
-    assert loaded.get_scale() == model.get_scale()
-    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
-
+    model.fit(x, y, verbose=0)
     served = mp.float32_copy(model)
     assert type(served) is keras_hub.models.GPT2CausalLM
     keras.mixed_precision.set_global_policy("float32")
@@ -99,6 +85,7 @@ def _text_batch(n=8, segments=False):
 
 
 _TINY_TASKS = {
+    "GPT2CausalLM": (_backbone, {}, lambda: _batch()),
     "GemmaCausalLM": (
         lambda: keras_hub.models.GemmaBackbone(
             vocabulary_size=64,
@@ -150,8 +137,7 @@ _TINY_TASKS = {
 
 
 @pytest.mark.parametrize("name", sorted(_TINY_TASKS))
-def test_more_tasks_adopted_skip_save_and_copy_as_the_task(name, tmp_path):
-    # GPT-2 has the full test above; these check the same contract briefly.
+def test_adopted_tasks_skip_exactly_save_and_copy_as_the_task(name, tmp_path):
     backbone, arguments, data = _TINY_TASKS[name]
     task_class = getattr(keras_hub.models, name)
     adopted = keras.saving.register_keras_serializable(package="test_adopted_task")(

@@ -22,17 +22,13 @@ from mp_callbacks._float8 import repair_amax_histories
 from mp_callbacks._keras_internals import (
     LossScaleSaveable,
     all_layers,
-    functional_class,
-    functional_init_arguments,
-    init_functional,
     keras_default_method,
 )
 from mp_callbacks._loss_scale_argument import AUTO
 from mp_callbacks._model_building import (
     LOG_KEYS,
-    adopts_a_functional_class,
+    construct,
     default_optimizer_argument,
-    functional_variant,
     warn_about_findings,
     wrap_model,
 )
@@ -199,17 +195,7 @@ class VariableScaleModel(keras.Model):
             scaler.bind(state)  # in use from the start: a task compiles in its constructor
         #: The LossScaler in use, reading `_mp_state` (None: "auto" until compile).
         object.__setattr__(self, "_mp_scaler", scaler)
-        if functional_init_arguments(args, kwargs):
-            if not isinstance(self, functional_class()):
-                self.__class__ = functional_variant(type(self))
-            init_functional(self, args, kwargs)
-        else:
-            if adopts_a_functional_class(type(self)):
-                # Its constructor builds functionally: with Functional mixed
-                # in beforehand, Keras does not inject it into every base
-                # class (KerasHub resets its own bases at each construction).
-                self.__class__ = functional_variant(type(self))
-            super().__init__(*args, **kwargs)
+        construct(self, args, kwargs, lambda: super(VariableScaleModel, self).__init__(*args, **kwargs))
         self._count_gradients()
 
     def _has_own_train_step(self) -> bool:
