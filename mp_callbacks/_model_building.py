@@ -116,9 +116,20 @@ def construct(model: Any, args: tuple, kwargs: dict, base_init: Any) -> None:
             model.__class__ = functional_variant(type(model))
         init_functional(model, args, kwargs)
         return
-    if adopts_a_functional_class(type(model)):
-        model.__class__ = functional_variant(type(model))
-    base_init()
+    if not adopts_a_functional_class(type(model)):
+        base_init()
+        return
+    model.__class__ = functional_variant(type(model))
+    # KerasHub's constructor resets its own bases to keras.Model, counting
+    # on Keras to inject Functional again, which the variant makes
+    # needless: put them back, or the tasks built before lose their `call`.
+    bases = {cls: cls.__bases__ for cls in type(model).__mro__}
+    try:
+        base_init()
+    finally:
+        for cls, before in bases.items():
+            if cls.__bases__ != before:
+                cls.__bases__ = before
 
 
 def default_optimizer_argument(compile_method: Any) -> Any:

@@ -46,8 +46,12 @@ def test_an_adopted_task_trains_as_stock_and_keeps_the_task():
         model = cls(backbone=_backbone(), preprocessor=None)  # compiled by the task: its defaults
         losses = model.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False).history["loss"]
         trained.append((losses, [w.numpy() for w in model.weights]))
-    # Built in any order beside the stock task: our class is never rewritten.
+    # Built in any order beside the stock task: our class is never
+    # rewritten, and a stock task built before still runs.
     assert "Functional" not in [c.__name__ for c in mp.MixedPrecisionModel.__mro__]
+    stock_model = keras_hub.models.GPT2CausalLM(backbone=_backbone(), preprocessor=None)
+    MixedGPT2(backbone=_backbone(), preprocessor=None)
+    assert stock_model.predict(x, verbose=0).shape == (8, 16, 64)
     stock, ours = trained[0], trained[1]
     assert ours[0] == stock[0] and all(np.array_equal(a, b) for a, b in zip(stock[1], ours[1]))
     assert isinstance(model.optimizer, keras.optimizers.Adam) and model.loss.get_config()["from_logits"]
