@@ -88,9 +88,42 @@ def _text_batch(n=8, segments=False):
     return x
 
 
+def _gemma_with_lora():
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=64,
+        num_layers=1,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=16,
+        intermediate_dim=32,
+        head_dim=8,
+    )
+    backbone.enable_lora(2)
+    return backbone
+
+
+def _lm_batch():
+    return _text_batch(), np.random.default_rng(1).integers(0, 64, (8, 16))
+
+
 _TINY_TASKS = {
-    "GPT2CausalLM": (_backbone, {}, lambda: _batch()),
+    "GemmaCausalLM with LoRA": ("GemmaCausalLM", _gemma_with_lora, {}, _lm_batch),
+    "QwenCausalLM": (
+        "QwenCausalLM",
+        lambda: keras_hub.models.QwenBackbone(
+            vocabulary_size=64,
+            num_layers=1,
+            num_query_heads=2,
+            num_key_value_heads=1,
+            hidden_dim=16,
+            intermediate_dim=32,
+        ),
+        {},
+        _lm_batch,
+    ),
+    "GPT2CausalLM": ("GPT2CausalLM", _backbone, {}, lambda: _batch()),
     "GemmaCausalLM": (
+        "GemmaCausalLM",
         lambda: keras_hub.models.GemmaBackbone(
             vocabulary_size=64,
             num_layers=1,
@@ -104,6 +137,7 @@ _TINY_TASKS = {
         lambda: (_text_batch(), np.random.default_rng(1).integers(0, 64, (8, 16))),
     ),
     "LlamaCausalLM": (
+        "LlamaCausalLM",
         lambda: keras_hub.models.LlamaBackbone(
             vocabulary_size=64,
             num_layers=1,
@@ -116,6 +150,7 @@ _TINY_TASKS = {
         lambda: (_text_batch(), np.random.default_rng(1).integers(0, 64, (8, 16))),
     ),
     "BertTextClassifier": (
+        "BertTextClassifier",
         lambda: keras_hub.models.BertBackbone(
             vocabulary_size=64,
             num_layers=1,
@@ -128,6 +163,7 @@ _TINY_TASKS = {
         lambda: (_text_batch(segments=True), np.random.default_rng(1).integers(0, 2, (8,))),
     ),
     "ViTImageClassifier": (
+        "ViTImageClassifier",
         lambda: keras_hub.models.ViTBackbone(
             image_shape=(16, 16, 3), patch_size=4, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32
         ),
@@ -142,10 +178,10 @@ _TINY_TASKS = {
 
 @pytest.mark.parametrize("name", sorted(_TINY_TASKS))
 def test_adopted_tasks_skip_exactly_save_and_copy_as_the_task(name, tmp_path):
-    backbone, arguments, data = _TINY_TASKS[name]
-    task_class = getattr(keras_hub.models, name)
+    class_name, backbone, arguments, data = _TINY_TASKS[name]
+    task_class = getattr(keras_hub.models, class_name)
     adopted = keras.saving.register_keras_serializable(package="test_adopted_task")(
-        type(f"Mixed{name}", (mp.MixedPrecisionModel, task_class), {})
+        type(f"Mixed{class_name}", (mp.MixedPrecisionModel, task_class), {})
     )
     x, y = data()
     # JAX's dot_general on the CPU has no float16 product accumulated in
@@ -164,8 +200,13 @@ def test_adopted_tasks_skip_exactly_save_and_copy_as_the_task(name, tmp_path):
     )
     model.save(str(tmp_path / "task.keras"))
     loaded = keras.models.load_model(str(tmp_path / "task.keras"))
-    assert type(loaded).__name__ == f"Mixed{name}"
-    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    assert type(loaded).__name__ == f"Mixed{class_name}"
+    # KerasHub loads a LoRA backbone with its LoRA merged into the kernels
+    # (stock too), which rounds differently in low precision.
+    tolerance = 5e-2 if "LoRA" in name else 0.0
+    np.testing.assert_allclose(
+        loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=0, atol=tolerance
+    )
     served = mp.float32_copy(model)
     assert type(served) is task_class
     assert {layer.compute_dtype for layer in served._flatten_layers()} <= {"float32", "int32", "bool"}
