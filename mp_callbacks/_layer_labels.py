@@ -44,16 +44,17 @@ def layer_labels(model: Any) -> dict[int, str]:
 
 
 def layers_labelled(model: Any, labels: list[str]) -> dict[str, list[Any]]:
-    """The layers each label names: a label or path names one layer; a
-    name that several layers share names all of them. Unknown labels map
-    to an empty list."""
+    """The layers each label names: a path names its one layer (a model's
+    own layer has its name as its path, so it wins over a deeper layer of
+    the same name, as in the labels reports use); another name names every
+    layer that has it. Unknown labels map to an empty list."""
     paths = layer_paths(model)
-    found: dict[str, list[Any]] = {label: [] for label in labels}
-    for layer in all_layers(model):
-        for label in labels:
-            if label in (layer.name, paths.get(id(layer))):
-                found[label].append(layer)
-    return found
+    layers = all_layers(model)
+    by_path = {paths[id(layer)]: layer for layer in layers if id(layer) in paths}
+    return {
+        label: [by_path[label]] if label in by_path else [layer for layer in layers if layer.name == label]
+        for label in labels
+    }
 
 
 def known_labels(model: Any) -> list[str]:

@@ -87,6 +87,7 @@ class LayerRecord:
     activation_max: float
     output_finite: bool
     gradient_finite: bool | None = None
+    inputs_finite: bool = True
     underflow: float | None = None
     gradient_max: float | None = None
     layer: str = ""
@@ -109,6 +110,9 @@ class PrecisionReport:
     Attributes:
         first_nonfinite_layer: the first layer, in forward order, whose
             output is not finite (None if every output is finite).
+        forward_origin: the first layer, in forward order, whose inputs are
+            finite and whose output is not: where the forward pass first
+            made non-finite values (None if every output is finite).
         first_nonfinite_gradient_layer: the first layer, in backward order
             (nearest the loss first), whose gradient output (with respect to
             its inputs or its own weights) is not finite, weightless layers
@@ -132,8 +136,11 @@ class PrecisionReport:
         loss_finite: whether that loss is finite.
         loss_scale: the loss scale the backward pass used.
         origin: where non-finite values first appear: the forward origin
-            when the loss is not finite (or "loss" when every layer output
-            is finite but the loss is not), else the backward origin.
+            when the loss is not finite (the first call whose inputs are
+            finite and whose output is not: a layer whose own operations
+            overflowed, not a sublayer that only received the result; or
+            "loss" when every layer output is finite but the loss is not),
+            else the backward origin.
         notes: what could not be seen (subclassed models' own operations,
             no loss).
         layers: the per-layer records, in forward order.
@@ -175,6 +182,7 @@ class PrecisionReport:
     gradient_max: dict[str, float] = field(default_factory=dict)
     precision_loss: dict[str, float] = field(default_factory=dict)
     float8: dict[str, dict[str, Any]] = field(default_factory=dict)
+    forward_origin: str | None = None
 
     def layer_of(self, name: str | None) -> str | None:
         """The layer a record's name belongs to: `"embedding"` for
@@ -204,7 +212,7 @@ class PrecisionReport:
                         f"{self.headroom[record.name]:.2%}"
                         if math.isfinite(self.headroom[record.name])
                         else "overflow"
-                        if record.name == self.first_nonfinite_layer
+                        if record.name == self.forward_origin
                         else "inherited"
                     ),
                     "-" if record.underflow is None else f"{record.underflow:.1%}",
@@ -223,6 +231,8 @@ class PrecisionReport:
         lines.append("")
         lines.append(f"loss: {loss_text} (loss scale {self.loss_scale:g})")
         lines.append(f"first non-finite output: {self.first_nonfinite_layer or 'none'}")
+        if self.forward_origin != self.first_nonfinite_layer:
+            lines.append(f"made non-finite by its own operations: {self.forward_origin}")
         lines.append(
             f"first non-finite gradient (backward order): {self.first_nonfinite_gradient_layer or 'none'}"
         )
@@ -541,13 +551,14 @@ def diagnose_batch(
     called_again = {id(layer) for layer, index in backward.order if index > 0}
     layer_records = {}
     for layer, index in backward.order:
-        _, outputs = backward.calls[(id(layer), index)]
+        inputs, outputs = backward.calls[(id(layer), index)]
         label = labels.get(id(layer), layer.name)
         layer_records[(id(layer), index)] = LayerRecord(
             name=f"{label} (call {index + 1})" if index > 0 else label,
             compute_dtype=str(getattr(layer, "compute_dtype", "float32")),
             activation_max=_abs_max(outputs),
             output_finite=_all_finite(outputs),
+            inputs_finite=_all_finite(inputs),
             layer=label,
         )
         if index == 0 and id(layer) in called_again:
@@ -811,9 +822,14 @@ def _report(
         for r in ordered
     }
     first_forward = next((r.name for r in ordered if not r.output_finite), None)
+    # Calls complete inner first: a sublayer that only received the non-finite
+    # values its caller made with its own operations (the dropout after an
+    # attention's softmax) completes before that caller. The first call whose
+    # inputs are finite and whose output is not is where the values arose.
+    forward_origin = next((r.name for r in ordered if not r.output_finite and r.inputs_finite), first_forward)
     first_backward = next((r.name for r in reversed(ordered) if r.gradient_finite is False), None)
     loss_finite = loss_value is None or math.isfinite(loss_value)
-    origin = (first_forward or "loss") if not loss_finite else (first_backward or first_forward)
+    origin = (forward_origin or "loss") if not loss_finite else (first_backward or forward_origin)
     # The origin, and every float16 layer whose true magnitudes (from the
     # float32 replay) fill more than half of float16's range on the way in
     # or out: downstream of an overflow, layers merely inherit inf/NaN, and
@@ -831,6 +847,7 @@ def _report(
             advice.append(record.layer)
     return PrecisionReport(
         first_nonfinite_layer=first_forward,
+        forward_origin=forward_origin,
         first_nonfinite_gradient_layer=first_backward,
         activation_max={r.name: r.activation_max for r in ordered},
         headroom=headroom,

@@ -112,7 +112,7 @@ def _flag(
                 if report.precision_loss.get(name, 0.0) > MAX_RELATIVE_ERROR:
                     error = report.precision_loss[name]
                     flags.setdefault(name, f"it differs {error:.0%} from float32 (relative error)")
-                elif name == report.layer_of(report.first_nonfinite_layer):
+                elif name == report.layer_of(report.forward_origin):
                     flags.setdefault(name, "its output overflows (not finite)")
                 elif name == report.layer_of(report.origin):
                     flags.setdefault(name, "the gradient it passes back is not finite")

@@ -295,7 +295,7 @@ class NaNGradientMonitor(MixedPrecisionCallback):
                     "not: check the labels and the loss function."
                 )
             else:
-                forward = origin == report.first_nonfinite_layer
+                forward = origin == report.forward_origin
                 located = (
                     f"Non-finite values first appear in layer {origin!r} ("
                     + (

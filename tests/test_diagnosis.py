@@ -98,6 +98,30 @@ def test_forward_overflow_in_a_weightless_layer_is_named():
     assert error.report.float32_layers == ["boost"]
 
 
+@keras.saving.register_keras_serializable(package="mp_callbacks_tests")
+class RescaleThenSublayer(keras.layers.Layer):
+    """`Rescale`'s overflow made by its own operations, then handed to a
+    sublayer, as an attention hands its softmax to its dropout."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.after = keras.layers.Activation("linear", name="after")
+
+    def call(self, x):
+        return self.after(x * 300.0 * 300.0 / 90000.0)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the overflow under test
+def test_the_origin_is_the_caller_whose_own_operations_overflowed_not_its_sublayer():
+    model = _float16_model(lambda: RescaleThenSublayer(name="outer"))
+    report = mp.diagnose_batch(model, *_data())
+    # The sublayer finishes first, with the caller's non-finite values.
+    assert report.first_nonfinite_layer == "after"
+    assert report.forward_origin == report.origin == "outer"
+    assert report.float32_layers == ["outer"]
+    assert "made non-finite by its own operations: outer" in str(report)
+
+
 def test_backward_only_overflow_in_a_weightless_custom_gradient_layer_is_named():
     model = _float16_model(lambda: AmplifyGradient(name="amplify"), loss_scale=None)
     x, y = _data()

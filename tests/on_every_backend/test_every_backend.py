@@ -267,10 +267,17 @@ def test_same_named_sublayers_are_told_apart_by_their_paths():
     inputs = keras.Input((4,))
     hidden = Block(1.0, name="block1")(inputs)
     hidden = Block(6e3, name="block2")(hidden)  # its proj gives 4 * 4 * 6e3 > 65504
-    model = mp.MixedPrecisionModel(inputs, keras.layers.Dense(1, dtype="float32", name="head")(hidden))
+    # The model's own layer shares the name: its path is its name.
+    model = mp.MixedPrecisionModel(inputs, keras.layers.Dense(1, name="proj")(hidden))
     model.compile("sgd", "mse")
     x, y = np.ones((2, 4), "float32"), np.ones((2, 1), "float32")
     report = mp.diagnose_batch(model, x, y)
+    assert {"proj", "block1/proj", "block2/proj"} <= set(report.activation_max)
+    head_only = mp.with_float32_layers(model, ["proj"])
+    assert [head_only.get_layer("proj").compute_dtype, head_only.get_layer("block2").proj.compute_dtype] == [
+        "float32",
+        "float16",
+    ]
     assert report.first_nonfinite_layer == "block2/proj" and report.origin == "block2/proj"
     assert {"block1/proj", "block2/proj"} <= set(report.activation_max)
     assert "block2/proj" in report.float32_layers and "block1/proj" not in report.float32_layers
