@@ -72,6 +72,19 @@ def test_an_adopted_task_trains_as_stock_and_keeps_the_task():
     assert {layer.compute_dtype for layer in served._flatten_layers()} == {"float32"}
 
 
+def test_an_adopted_task_loads_a_local_preset_and_saves_one(tmp_path):
+    x, _ = _batch(2)
+    stock = keras_hub.models.GPT2CausalLM(backbone=_backbone(), preprocessor=None)
+    stock.save_to_preset(str(tmp_path / "stock"))
+    lm = MixedGPT2.from_preset(str(tmp_path / "stock"), preprocessor=None)  # the stock preset's weights
+    assert isinstance(lm, MixedGPT2)
+    np.testing.assert_array_equal(lm.predict(x, verbose=0), stock.predict(x, verbose=0))
+    lm.save_to_preset(str(tmp_path / "ours"))
+    back = keras_hub.models.GPT2CausalLM.from_preset(str(tmp_path / "ours"), preprocessor=None)
+    assert isinstance(back, MixedGPT2)  # the preset names the registered class, as Keras's saving does
+    np.testing.assert_array_equal(back.predict(x, verbose=0), stock.predict(x, verbose=0))
+
+
 def test_from_model_on_a_task_says_how_to_keep_it():
     task = keras_hub.models.GPT2CausalLM(backbone=_backbone(), preprocessor=None)
     with pytest.warns(
