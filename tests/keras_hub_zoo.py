@@ -11,9 +11,11 @@ made from the backbone's own input specs.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
+import keras
 import numpy as np
 
 VOCABULARY = 64
@@ -178,10 +180,18 @@ def backbone(backbone_class: type) -> Any:
     return backbone_class(**{**shared, **own})
 
 
+@functools.cache
+def adopted(task_class: type, mixed_in: type) -> type:
+    """The documented adoption, `class Mixed<Task>(mixed_in, task_class)`,
+    registered for saving (one class per task, however often asked for)."""
+    cls = type(f"Mixed{task_class.__name__}", (mixed_in, task_class), {})
+    return keras.saving.register_keras_serializable(package="keras_hub_zoo")(cls)
+
+
 def task(task_class: type, keras_hub: Any, mixed_in: type | None = None) -> Any:
-    """A tiny `task_class` (or the class mixing `mixed_in` into it, the
-    documented adoption), compiled with the task's own defaults."""
-    cls = task_class if mixed_in is None else type(f"Mixed{task_class.__name__}", (mixed_in, task_class), {})
+    """A tiny `task_class` (or its adoption by `mixed_in`), compiled with
+    the task's own defaults."""
+    cls = task_class if mixed_in is None else adopted(task_class, mixed_in)
     arguments = (
         {"num_classes": 2} if "num_classes" in inspect.signature(task_class.__init__).parameters else {}
     )

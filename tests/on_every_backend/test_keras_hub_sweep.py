@@ -2,9 +2,9 @@
 adopted the documented way (a subclass mixing `MixedPrecisionModel` in
 first), through the library's functions: `check_model`, a poisoned step,
 a healthy step with `HeadroomMonitor`, `diagnose_batch` and
-`float32_copy`; or left out with a reason (`tests/keras_hub_zoo.py`).
-Training equal to stock, saving and `generate()` are in
-`test_adopted_task.py`, on a table of the most used tasks."""
+`float32_copy`, training equal to stock in float32, and saving; or left out
+with a reason (`tests/keras_hub_zoo.py`). `generate()`, presets and LoRA
+are in `test_adopted_task.py`."""
 
 from __future__ import annotations
 
@@ -69,8 +69,17 @@ def _label(key: str) -> str:
 
 
 @pytest.mark.parametrize("name", zoo.swept(keras_hub))
-def test_a_task_adopted_runs_through_every_library_function(name):
+def test_a_task_adopted_runs_through_every_library_function(name, tmp_path):
     task_class = zoo.task_classes(keras_hub)[name]
+    # Trains as the stock task: one step in float32 from the same seed.
+    trained = []
+    for mixed_in in (None, mp.MixedPrecisionModel):
+        keras.utils.set_random_seed(0)
+        model = zoo.task(task_class, keras_hub, mixed_in=mixed_in)
+        model.train_on_batch(*zoo.batch(model, keras_hub))
+        trained.append([np.array(w.numpy()) for w in model.weights])
+    assert all(np.array_equal(stock, ours) for stock, ours in zip(*trained))
+
     keras.config.set_dtype_policy(POLICY)
     if name in zoo.OTHER_POLICY[BACKEND]:  # the reason still holds: stock fails under the mixed policy
         stock = zoo.task(task_class, keras_hub)
@@ -115,3 +124,8 @@ def test_a_task_adopted_runs_through_every_library_function(name):
     served = mp.float32_copy(model)
     assert type(served) is task_class
     assert {layer.compute_dtype for layer in served._flatten_layers()} <= {"float32", "int32", "bool"}
+
+    model.save(str(tmp_path / "task.keras"))
+    loaded = keras.models.load_model(str(tmp_path / "task.keras"))
+    assert isinstance(loaded, zoo.adopted(task_class, mp.MixedPrecisionModel))
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
