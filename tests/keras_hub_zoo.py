@@ -188,13 +188,15 @@ def adopted(task_class: type, mixed_in: type) -> type:
     return keras.saving.register_keras_serializable(package="keras_hub_zoo")(cls)
 
 
-def task(task_class: type, keras_hub: Any, mixed_in: type | None = None) -> Any:
+def task(task_class: type, keras_hub: Any, mixed_in: type | None = None, name: str | None = None) -> Any:
     """A tiny `task_class` (or its adoption by `mixed_in`), compiled with
-    the task's own defaults."""
+    the task's own defaults. TensorFlow orders a graph's independent
+    operations by name, which can change the last bit of a sum: give two
+    models that must train bit for bit alike the same `name`."""
     cls = task_class if mixed_in is None else adopted(task_class, mixed_in)
-    arguments = (
-        {"num_classes": 2} if "num_classes" in inspect.signature(task_class.__init__).parameters else {}
-    )
+    arguments: dict[str, Any] = {} if name is None else {"name": name}
+    if "num_classes" in inspect.signature(task_class.__init__).parameters:
+        arguments["num_classes"] = 2
     return cls(backbone=backbone(task_class.backbone_cls), preprocessor=None, **arguments)
 
 
