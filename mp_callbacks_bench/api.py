@@ -128,6 +128,11 @@ def _check_inputs(settings: BenchSettings) -> str:
     spec = parse_model_spec(settings.model)
     data = load_dataset(settings.dataset, seed=settings.seed, allow_download=True)
     data = data.take(settings.train_samples, settings.test_samples)
+    if spec.kind == "built-in" and isinstance(data.input_shape, dict):
+        raise BenchError(
+            f"--model {spec.text}: a built-in model takes one input array, and {settings.dataset} has "
+            f"named inputs {sorted(data.input_shape)}: give --model path/to/file.py:FUNCTION"
+        )
     if spec.text == "cnn" and len(data.input_shape) not in (2, 3):
         raise BenchError(
             f"--model cnn needs image samples (H, W) or (H, W, C); {settings.dataset} has "

@@ -13,6 +13,7 @@ import os
 import socket
 import zipfile
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -31,11 +32,13 @@ class DatasetError(ValueError):
 
 @dataclass
 class Dataset:
-    """Arrays ready for `fit`: images as float32 in [0, 1], labels as int."""
+    """Arrays ready for `fit`: images as float32 in [0, 1], or named inputs
+    (a dict of arrays, as KerasHub's text models take them) as stored;
+    labels as int."""
 
-    x_train: np.ndarray
+    x_train: Any
     y_train: np.ndarray
-    x_test: np.ndarray
+    x_test: Any
     y_test: np.ndarray
     name: str
     source: str
@@ -43,24 +46,29 @@ class Dataset:
     @property
     def description(self) -> str:
         """Where the data comes from, and how many samples are used."""
-        return f"{self.source}; {len(self.x_train):,} train / {len(self.x_test):,} test samples"
+        return f"{self.source}; {len(self.y_train):,} train / {len(self.y_test):,} test samples"
 
     @property
     def num_classes(self) -> int:
         return int(max(self.y_train.max(), self.y_test.max())) + 1
 
     @property
-    def input_shape(self) -> tuple[int, ...]:
+    def input_shape(self) -> Any:
+        """A sample's shape; for named inputs, each input's, by name."""
+        if isinstance(self.x_train, dict):
+            return {key: tuple(leaf.shape[1:]) for key, leaf in self.x_train.items()}
         return tuple(self.x_train.shape[1:])
 
     def take(self, train: int | None = None, test: int | None = None) -> Dataset:
         """The first `train` / `test` samples (all when None)."""
+        from mp_callbacks._samples import take
+
         if train is None and test is None:
             return self
         return Dataset(
-            self.x_train[:train],
+            take(self.x_train, slice(None, train)),
             self.y_train[:train],
-            self.x_test[:test],
+            take(self.x_test, slice(None, test)),
             self.y_test[:test],
             self.name,
             self.source,
@@ -177,16 +185,7 @@ def _load_npz(path: str) -> Dataset:
         )
     try:
         with np.load(path, allow_pickle=False) as archive:
-            missing = [key for key in _NPZ_KEYS if key not in archive.files]
-            if missing:
-                found = ", ".join(archive.files) if archive.files else "no arrays"
-                raise DatasetError(
-                    f"{path}: the .npz file lacks {', '.join(missing)}; it needs the arrays "
-                    f"{', '.join(_NPZ_KEYS)}, and has {found}."
-                )
-            arrays = {key: np.asarray(archive[key]) for key in _NPZ_KEYS}
-    except DatasetError:
-        raise
+            entries = {key: np.asarray(archive[key]) for key in archive.files}
     except ValueError as error:
         if "allow_pickle" in str(error):
             raise DatasetError(
@@ -196,36 +195,72 @@ def _load_npz(path: str) -> Dataset:
         raise DatasetError(f"{path}: not a readable .npz file ({error}).") from error
     except (OSError, EOFError, zipfile.BadZipFile) as error:
         raise DatasetError(f"{path}: not a readable .npz file ({error}).") from error
+    arrays = _npz_arrays(path, entries)
 
     for split in ("train", "test"):
         x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
-        if x.ndim < 2 or y.ndim != 1 or len(x) != len(y) or len(x) == 0:
+        leaves = list(x.values()) if isinstance(x, dict) else [x]
+        if (
+            y.ndim != 1
+            or len(y) == 0
+            or any(len(leaf) != len(y) for leaf in leaves)
+            or (not isinstance(x, dict) and x.ndim < 2)
+        ):
             raise DatasetError(
-                f"{path}: x_{split} must have shape (N, ...) and y_{split} shape "
-                f"(N,) with the same N > 0; got x_{split} {x.shape} and "
+                f"{path}: x_{split} must have shape (N, ...) (each named input too) and "
+                f"y_{split} shape (N,) with the same N > 0; got x_{split} {_shapes(x)} and "
                 f"y_{split} {y.shape}."
             )
         if not np.issubdtype(y.dtype, np.integer) or y.min() < 0:
             raise DatasetError(
                 f"{path}: y_{split} must hold non-negative integer class labels; got dtype {y.dtype}."
             )
-    if arrays["x_train"].shape[1:] != arrays["x_test"].shape[1:]:
-        raise DatasetError(
-            f"{path}: x_train samples {arrays['x_train'].shape[1:]} and x_test "
-            f"samples {arrays['x_test'].shape[1:]} differ in shape."
-        )
-    x_train = arrays["x_train"].astype(np.float32)
-    x_test = arrays["x_test"].astype(np.float32)
-    if np.issubdtype(arrays["x_train"].dtype, np.integer):
-        x_train, x_test = x_train / 255.0, x_test / 255.0
+    train_shapes, test_shapes = (_sample_shapes(arrays[f"x_{split}"]) for split in ("train", "test"))
+    if train_shapes != test_shapes:
+        raise DatasetError(f"{path}: x_train samples {train_shapes} and x_test samples {test_shapes} differ.")
+    x_train, x_test = arrays["x_train"], arrays["x_test"]
+    if not isinstance(x_train, dict):  # images: float32, integers read as 0-255
+        scale = 255.0 if np.issubdtype(x_train.dtype, np.integer) else 1.0
+        x_train, x_test = x_train.astype(np.float32) / scale, x_test.astype(np.float32) / scale
     return Dataset(
         x_train,
         arrays["y_train"].astype(np.int64),
         x_test,
         arrays["y_test"].astype(np.int64),
         os.path.basename(path),
-        f"{path} (samples of shape {x_train.shape[1:]})",
+        f"{path} (samples of shape {train_shapes})",
     )
+
+
+def _npz_arrays(path: str, entries: dict[str, np.ndarray]) -> dict[str, Any]:
+    """`x_train`, `y_train`, `x_test`, `y_test` from the archive's entries;
+    an `x_...` may be named inputs, stored as `x_train.<name>` (as
+    `mp.autotune` stores them)."""
+    found: dict[str, Any] = {}
+    for key in _NPZ_KEYS:
+        if key in entries:
+            found[key] = entries[key]
+        elif key.startswith("x_"):
+            named = {k[len(key) + 1 :]: v for k, v in entries.items() if k.startswith(f"{key}.")}
+            if named:
+                found[key] = named
+    missing = [key for key in _NPZ_KEYS if key not in found]
+    if missing:
+        have = ", ".join(entries) if entries else "no arrays"
+        raise DatasetError(
+            f"{path}: the .npz file lacks {', '.join(missing)}; it needs the arrays "
+            f"{', '.join(_NPZ_KEYS)} (named inputs as x_train.<name> and x_test.<name>), "
+            f"and has {have}."
+        )
+    return found
+
+
+def _shapes(x: Any) -> Any:
+    return {key: leaf.shape for key, leaf in x.items()} if isinstance(x, dict) else x.shape
+
+
+def _sample_shapes(x: Any) -> Any:
+    return {key: leaf.shape[1:] for key, leaf in x.items()} if isinstance(x, dict) else x.shape[1:]
 
 
 def load_dataset(name: str, seed: int = 0, allow_download: bool = True) -> Dataset:

@@ -101,7 +101,7 @@ def load_model_function(spec: ModelSpec) -> Callable[[], Any]:
     return function
 
 
-def build_model(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int):
+def build_model(spec: ModelSpec, input_shape: Any, num_classes: int):
     """Builds the model under the current global dtype policy, compiled.
 
     A built-in model, or the user's `FUNCTION()`: a model it returns
@@ -117,6 +117,11 @@ def build_model(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int)
     from mp_callbacks_bench.reference_models import MODELS
 
     if spec.kind == "built-in":
+        if isinstance(input_shape, dict):
+            raise BenchError(
+                f"--model {spec.text}: a built-in model takes one input array, and the data has "
+                f"named inputs {sorted(input_shape)}: give --model path/to/file.py:FUNCTION"
+            )
         model = MODELS[spec.target](input_shape, num_classes)
     else:
         function = load_model_function(spec)
@@ -146,13 +151,17 @@ def check_model_fits_data(model, spec: ModelSpec, x, num_classes: int) -> None:
     """Raises BenchError, in one line, unless the model takes samples of
     `x`'s shape and gives one score per class to each (sparse labels)."""
     import keras
-    import numpy as np
 
     import mp_callbacks  # noqa: F401  (checks Keras's backend first)
+    from mp_callbacks._samples import take
 
-    sample_shape = tuple(x.shape[1:])
+    sample_shape = (
+        {key: tuple(leaf.shape[1:]) for key, leaf in x.items()} if isinstance(x, dict) else tuple(x.shape[1:])
+    )
     try:
-        output = model(keras.ops.convert_to_tensor(np.asarray(x[:2])), training=False)
+        output = model(
+            keras.tree.map_structure(keras.ops.convert_to_tensor, take(x, slice(None, 2))), training=False
+        )
     except Exception as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
         expected = _input_shape_text(model)

@@ -81,7 +81,7 @@ def test_missing_arrays_are_listed_with_those_the_file_has(tmp_path):
         load_dataset(str(path))
     assert str(caught.value) == (
         f"{path}: the .npz file lacks y_train, x_test, y_test; it needs the arrays x_train, "
-        "y_train, x_test, y_test, and has images, x_train."
+        "y_train, x_test, y_test (named inputs as x_train.<name> and x_test.<name>), and has images, x_train."
     )
 
 

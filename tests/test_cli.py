@@ -160,6 +160,16 @@ def build_compiled():
     return model
 
 
+def build_named():
+    # Named inputs, as KerasHub's text models take them.
+    ids = keras.Input((8,), dtype="int32", name="token_ids")
+    mask = keras.Input((8,), dtype="float32", name="padding_mask")
+    hidden = keras.layers.Embedding(16, 8)(ids) * keras.ops.expand_dims(mask, -1)
+    hidden = keras.layers.GlobalAveragePooling1D()(hidden)
+    outputs = keras.layers.Dense(2, activation="softmax", dtype="float32")(hidden)
+    return keras.Model({"token_ids": ids, "padding_mask": mask}, outputs)
+
+
 def wrong_input():
     return keras.Sequential([keras.Input((10,)), keras.layers.Dense(10)])
 
@@ -205,6 +215,40 @@ def test_bench_of_a_model_in_a_file(user_module, tmp_path, capsys):
     assert {r["optimizer"] for r in rows} == {"SGD"}  # the user's compile is kept
     assert all(r["epochs"] == 2 and np.isfinite(r["loss"]) and not r["diverged"] for r in rows)
     assert capsys.readouterr().out.startswith(f"{user_module}:build_compiled on built-in")
+
+
+def _named_npz(tmp_path):
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 16, (160, 8)).astype("int32")
+    mask = np.ones((160, 8), "float32")
+    labels = ids[:, 0] % 2
+    path = tmp_path / "named.npz"
+    np.savez(
+        path,
+        **{"x_train.token_ids": ids[:128], "x_train.padding_mask": mask[:128], "y_train": labels[:128]},
+        **{"x_test.token_ids": ids[128:], "x_test.padding_mask": mask[128:], "y_test": labels[128:]},
+    )
+    return str(path)
+
+
+@pytest.mark.slow
+def test_bench_of_a_model_with_named_inputs(user_module, tmp_path, capsys):
+    data, out = _named_npz(tmp_path), tmp_path / "named.json"
+    argv = ["--dataset", data, "--policies", "float32", "mixed_bfloat16", "--epochs", "1", "--quiet"]
+    code = main(["bench", "--model", f"{user_module}:build_named", *argv, "--json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    rows = json.loads(out.read_text())["results"]
+    assert [r["policy"] for r in rows] == ["float32", "mixed_bfloat16"]
+    assert all(np.isfinite(r["loss"]) and 0.0 <= r["accuracy"] <= 1.0 for r in rows)
+    assert main(["bench", "--model", "mlp", *argv]) == 2  # a built-in model takes one array
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(
+            f"--model mlp: a built-in model takes one input array, and {data} has named inputs "
+            "['padding_mask', 'token_ids']: give --model path/to/file.py:FUNCTION"
+        )
+    )
 
 
 @pytest.mark.slow
@@ -321,8 +365,8 @@ def _bad_npz(tmp_path, **arrays):
         ),
         (
             lambda t: ["bench", "--dataset", _bad_npz(t, x_train=np.zeros((4, 3)))],
-            "lacks y_train, x_test, y_test; it needs the arrays x_train, y_train, x_test, y_test, "
-            "and has x_train",
+            "lacks y_train, x_test, y_test; it needs the arrays x_train, y_train, x_test, y_test "
+            "(named inputs as x_train.<name> and x_test.<name>), and has x_train",
         ),
         (
             lambda t: [
