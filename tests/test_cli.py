@@ -240,6 +240,13 @@ def test_bench_of_a_model_with_named_inputs(user_module, tmp_path, capsys):
     rows = json.loads(out.read_text())["results"]
     assert [r["policy"] for r in rows] == ["float32", "mixed_bfloat16"]
     assert all(np.isfinite(r["loss"]) and 0.0 <= r["accuracy"] <= 1.0 for r in rows)
+    tuned = tmp_path / "tuned.json"
+    tune = ["--model", f"{user_module}:build_named", "--dataset", data, "--steps", "10", "--batch-size", "16"]
+    assert (
+        main(["tune", *tune, "--policies", "float32", "mixed_bfloat16", "--quiet", "--json", str(tuned)]) == 0
+    )
+    plan = json.loads(tuned.read_text())
+    assert [c["policy"] for c in plan["candidates"]] == ["float32", "mixed_bfloat16"]
     assert main(["bench", "--model", "mlp", *argv]) == 2  # a built-in model takes one array
     assert (
         capsys.readouterr()
