@@ -283,7 +283,7 @@ def _abs_max(tensors: list[Any]) -> float:
     if not _all_finite(tensors):
         has_nan = any(bool(keras.ops.any(keras.ops.isnan(t))) for t in tensors)
         return math.nan if has_nan else math.inf
-    return float(max(float(v) for v in values))
+    return max(float(keras.ops.convert_to_numpy(v)) for v in values)  # detached (torch)
 
 
 def _worst(first: float, second: float) -> float:

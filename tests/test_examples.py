@@ -103,6 +103,17 @@ def test_find_the_overflow_example_names_the_layer_and_trains_after_the_fix(tmp_
 
 
 @pytest.mark.slow
+def test_float8_transformer_example_names_the_saturating_layer_and_the_fix_clears_it(tmp_path):
+    output = _run("float8_transformer.py", "--samples", "256", "--epochs", "2", tmp_path=tmp_path)
+    clipped = re.search(r"ffn_up: inputs clipped ([\d.]+) before the drift, ([\d.]+) after", output)
+    assert float(clipped.group(1)) < 0.05 and float(clipped.group(2)) > 0.5
+    assert "HeadroomMonitor warned of: ['ffn_up']" in output
+    fixed = output.split("2. the fix: ['ffn_up'] left out of float8")[1]
+    assert "largest share clipped after the drift: 0.000" in fixed
+    assert "HeadroomMonitor warned of: []" in fixed
+
+
+@pytest.mark.slow
 def test_custom_train_step_example_skips_the_poisoned_step_and_keeps_the_weights(tmp_path):
     output = _run(
         "custom_train_step.py",

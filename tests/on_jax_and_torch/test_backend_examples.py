@@ -10,6 +10,7 @@ import pytest
 from test_examples import (  # noqa: F401 - collected here, run on JAX
     test_autotune_example_pins_each_policys_trap_and_only_it,
     test_find_the_overflow_example_names_the_layer_and_trains_after_the_fix,
+    test_float8_transformer_example_names_the_saturating_layer_and_the_fix_clears_it,
     test_mnist_example_reproduces_the_seed_offline,
     test_mnist_example_under_mixed_float16_uses_dynamic_scaling,
     test_tuner_search_example,
