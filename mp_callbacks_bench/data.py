@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Dataset", "DatasetError", "load_dataset", "load_mnist", "synthetic_digits"]
+__all__ = ["Dataset", "DatasetError", "first_samples", "load_dataset", "load_mnist", "synthetic_digits"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,18 +61,21 @@ class Dataset:
 
     def take(self, train: int | None = None, test: int | None = None) -> Dataset:
         """The first `train` / `test` samples (all when None)."""
-        from mp_callbacks._samples import take
-
         if train is None and test is None:
             return self
         return Dataset(
-            take(self.x_train, slice(None, train)),
+            first_samples(self.x_train, train),
             self.y_train[:train],
-            take(self.x_test, slice(None, test)),
+            first_samples(self.x_test, test),
             self.y_test[:test],
             self.name,
             self.source,
         )
+
+
+def first_samples(x: Any, count: int | None) -> Any:
+    """The first `count` samples of `x`, one array or named inputs (all when None)."""
+    return {key: leaf[:count] for key, leaf in x.items()} if isinstance(x, dict) else x[:count]
 
 
 def _strokes(rng: np.random.Generator, size: int, count: int) -> np.ndarray:

@@ -153,14 +153,14 @@ def check_model_fits_data(model, spec: ModelSpec, x, num_classes: int) -> None:
     import keras
 
     import mp_callbacks  # noqa: F401  (checks Keras's backend first)
-    from mp_callbacks._samples import take
+    from mp_callbacks_bench.data import first_samples
 
     sample_shape = (
         {key: tuple(leaf.shape[1:]) for key, leaf in x.items()} if isinstance(x, dict) else tuple(x.shape[1:])
     )
     try:
         output = model(
-            keras.tree.map_structure(keras.ops.convert_to_tensor, take(x, slice(None, 2))), training=False
+            keras.tree.map_structure(keras.ops.convert_to_tensor, first_samples(x, 2)), training=False
         )
     except Exception as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
