@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import configparser
 import pathlib
 import shutil
 import subprocess
@@ -62,3 +63,22 @@ def test_the_core_install_names_no_benchmark_only_dependency():
     setup = (ROOT / "setup.cfg").read_text()
     core = setup.split("install_requires =", 1)[1].split("\n[", 1)[0]
     assert "psutil" not in core and "keras" in core
+
+
+def test_the_hub_extra_is_keras_hubs_dependencies_but_tensorflow_text():
+    """`.[hub]` then `pip install --no-deps keras-hub` must leave keras-hub whole."""
+    metadata = pytest.importorskip("importlib.metadata")
+    try:
+        required = metadata.requires("keras-hub") or []
+    except metadata.PackageNotFoundError:
+        pytest.skip("keras-hub is not installed here")
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    hub = setup["options.extras_require"]["hub"]
+    extra = {line.strip() for line in hub.splitlines() if line.strip()}
+    core = {
+        requirement.split(";")[0].strip()
+        for requirement in required
+        if "extra ==" not in requirement and not requirement.startswith("tensorflow-text")
+    }
+    assert extra == core
