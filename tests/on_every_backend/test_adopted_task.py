@@ -85,6 +85,64 @@ def test_an_adopted_task_loads_a_local_preset_and_saves_one(tmp_path):
     np.testing.assert_array_equal(back.predict(x, verbose=0), stock.predict(x, verbose=0))
 
 
+def _tokenizer():
+    """A byte-pair vocabulary just big enough for its text, as KerasHub's tests build one."""
+    vocabulary = {"<|endoftext|>": 0}
+    for character in ["Ġ", *sorted(set("airplane at airport") - {" "})]:
+        vocabulary[character] = len(vocabulary)
+    merges = ["a i", "ai r", "Ġ a", "Ġa t", "Ġ air"]
+    for merge in merges:
+        vocabulary[merge.replace(" ", "")] = len(vocabulary)
+    return keras_hub.models.GPT2Tokenizer(vocabulary=vocabulary, merges=merges)
+
+
+def test_an_adopted_task_keeps_its_preprocessor_through_fit_generate_and_presets(tmp_path):
+    def build(cls):
+        keras.utils.set_random_seed(5)
+        preprocessor = keras_hub.models.GPT2CausalLMPreprocessor(tokenizer=_tokenizer(), sequence_length=8)
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=preprocessor.tokenizer.vocabulary_size(),
+            num_layers=1,
+            num_heads=2,
+            hidden_dim=8,
+            intermediate_dim=16,
+            max_sequence_length=8,
+        )
+        model = cls(backbone=backbone, preprocessor=preprocessor)
+        model.compile(sampler="greedy")
+        return model
+
+    text = ["airplane at airport", "airport", "air at plane", "plane"]
+    stock, ours = build(keras_hub.models.GPT2CausalLM), build(MixedGPT2)
+    try:
+        import tensorflow_text  # noqa: F401
+    except ImportError:
+        text_in_fit = keras.backend.backend() != "tensorflow"
+    else:
+        text_in_fit = True
+    if text_in_fit:  # the preprocessor runs in fit: raw strings in
+        histories = [
+            m.fit(text, batch_size=2, verbose=0, shuffle=False).history["loss"] for m in (stock, ours)
+        ]
+        assert histories[0] == histories[1]
+    else:  # KerasHub's TensorFlow data pipeline tokenizes with tensorflow-text; stock alike
+        with pytest.raises(Exception, match="requires `tensorflow` and `tensorflow-text`"):
+            stock.fit(text, batch_size=2, verbose=0)
+    assert ours.generate("air", max_length=8) == stock.generate("air", max_length=8)
+    assert ours.generate("air", max_length=8).startswith("air")
+
+    ours.save(str(tmp_path / "lm.keras"))
+    loaded = keras.models.load_model(str(tmp_path / "lm.keras"))
+    assert type(loaded.preprocessor) is keras_hub.models.GPT2CausalLMPreprocessor
+    assert loaded.preprocessor.tokenizer.get_vocabulary() == ours.preprocessor.tokenizer.get_vocabulary()
+    ours.save_to_preset(str(tmp_path / "preset"))
+    from_preset = MixedGPT2.from_preset(str(tmp_path / "preset"))  # the preprocessor with it
+    assert isinstance(from_preset, MixedGPT2) and from_preset.preprocessor.sequence_length == 8
+    for model in (loaded, from_preset):
+        model.compile(sampler="greedy")
+        assert model.generate("air", max_length=8) == ours.generate("air", max_length=8)
+
+
 def test_from_model_on_a_task_says_how_to_keep_it():
     task = keras_hub.models.GPT2CausalLM(backbone=_backbone(), preprocessor=None)
     with pytest.warns(
