@@ -14,6 +14,7 @@ many times the callbacks read a value from the device per 1,000 steps.
 
     python benchmarks/overhead.py                       # mixed_bfloat16, 5 rounds
     python benchmarks/overhead.py --policy float32 --rounds 7
+    python benchmarks/overhead.py --optimizer sgd --float8 --skip-model
 """
 
 from __future__ import annotations
@@ -38,7 +39,14 @@ def main(argv=None):
     parser.add_argument("--samples", type=int, default=8000)
     parser.add_argument("--batch-size", type=int, default=128)
     add_threads_option(parser)
+    parser.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
+    parser.add_argument(
+        "--float8",
+        action="store_true",
+        help="the Dense layers quantized to float8 (the monitor's float8 figures)",
+    )
     parser.add_argument("--skip-callbacks", action="store_true", help="only the model comparison")
+    parser.add_argument("--skip-model", action="store_true", help="only the callbacks' comparisons")
     args = parser.parse_args(argv)
     apply_threads(args.threads)
 
@@ -46,27 +54,33 @@ def main(argv=None):
     data = synthetic_digits(n_train=args.samples, n_test=500)
     print(
         f"policy {args.policy}, CNN, {args.samples} samples, batch {args.batch_size}, "
-        f"{args.rounds} interleaved rounds, threads {args.threads or 'default'}; "
+        f"{args.rounds} interleaved rounds, {args.optimizer}{', float8 Dense' if args.float8 else ''}, "
+        f"threads {args.threads or 'default'}; "
         f"data: {data.description}"
     )
 
     def compiled(model):
-        model.compile(keras.optimizers.Adam(), "sparse_categorical_crossentropy", metrics=["accuracy"])
+        if args.float8:
+            model.quantize("float8")
+        optimizer = keras.optimizers.Adam() if args.optimizer == "adam" else keras.optimizers.SGD(0.01)
+        model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"])
         return model
 
     keras.utils.set_random_seed(0)
-    stock = compiled(build_cnn(data.input_shape, model_class=keras.Model))
-    keras.utils.set_random_seed(0)
     ours = compiled(build_cnn(data.input_shape))
-    times = compare(
-        {"stock": (stock, []), "MixedPrecisionModel": (ours, [])}, data, args.rounds, args.batch_size
-    )
-    report("MixedPrecisionModel vs keras.Model (epoch time ratio)", times, "stock", "MixedPrecisionModel")
+    if not args.skip_model:
+        keras.utils.set_random_seed(0)
+        stock = compiled(build_cnn(data.input_shape, model_class=keras.Model))
+        times = compare(
+            {"stock": (stock, []), "MixedPrecisionModel": (ours, [])}, data, args.rounds, args.batch_size
+        )
+        report("MixedPrecisionModel vs keras.Model (epoch time ratio)", times, "stock", "MixedPrecisionModel")
 
     if args.skip_callbacks:
         return
     callbacks = [mp.LossScaleMonitor(), mp.NaNGradientMonitor(), mp.EpochTimer()]
-    reads = count_device_reads()
+    # Counted where the callbacks read through TensorFlow's LossScaler.
+    reads = count_device_reads() if keras.backend.backend() == "tensorflow" else None
     times = compare(
         {"no callbacks": (ours, []), "three callbacks": (ours, callbacks)}, data, args.rounds, args.batch_size
     )
@@ -77,12 +91,13 @@ def main(argv=None):
         "three callbacks",
     )
     steps = (args.rounds + 1) * -(-args.samples // args.batch_size)
-    print(
-        f"  device reads by the callbacks: {reads['count']} in {steps} steps "
-        f"= {1000 * reads['count'] / steps:.1f} per 1,000 steps "
-        "(log tensors converted by the callbacks: 0; Keras itself converts the "
-        "step logs once per step on the TensorFlow backend)"
-    )
+    if reads is not None:
+        print(
+            f"  device reads by the callbacks: {reads['count']} in {steps} steps "
+            f"= {1000 * reads['count'] / steps:.1f} per 1,000 steps "
+            "(log tensors converted by the callbacks: 0; Keras itself converts the "
+            "step logs once per step on the TensorFlow backend)"
+        )
     headroom = [mp.HeadroomMonitor(probe=data.x_test[:32])]
     times = compare(
         {"no callbacks": (ours, []), "HeadroomMonitor": (ours, headroom)}, data, args.rounds, args.batch_size

@@ -10,7 +10,7 @@ changes one breaks a test there rather than a user's training run.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from mp_callbacks._backend import keras
@@ -411,6 +411,17 @@ def replaced_on_instance(obj: Any, replacements: dict[str, Any]) -> Iterator[Non
     finally:
         for name in replacements:
             object.__delattr__(obj, name)
+
+
+@contextlib.contextmanager
+def layer_calls_wrapped(layers: Iterable[Any], wrap: Callable[[Any, Any], Any]) -> Iterator[None]:
+    """For the duration, each layer's called method (`called_method`) is
+    `wrap(layer, method)`: how a replay records every layer call."""
+    with contextlib.ExitStack() as stack:
+        for layer in layers:
+            method = called_method(layer)
+            stack.enter_context(replaced_on_instance(layer, {method: wrap(layer, getattr(layer, method))}))
+        yield
 
 
 def keras_saveable_class() -> type:

@@ -33,10 +33,9 @@ from mp_callbacks._float8 import (
 )
 from mp_callbacks._keras_internals import (
     all_layers,
-    called_method,
     has_layer_graph,
+    layer_calls_wrapped,
     layer_dtype_policy,
-    replaced_on_instance,
     seed_generators_of,
     set_layer_dtype_policy,
 )
@@ -345,10 +344,7 @@ def recording_layers(
 
         return recorded_call
 
-    with contextlib.ExitStack() as stack:
-        for layer in _inspected_layers(model):
-            method = called_method(layer)  # a quantized layer runs quantized_call
-            stack.enter_context(replaced_on_instance(layer, {method: wrap(layer, getattr(layer, method))}))
+    with layer_calls_wrapped(_inspected_layers(model), wrap):  # a quantized layer: its quantized_call
         yield records
 
 

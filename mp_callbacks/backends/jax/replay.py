@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from mp_callbacks._backend import keras
-from mp_callbacks._keras_internals import called_method, replaced_on_instance
+from mp_callbacks._keras_internals import layer_calls_wrapped
 from mp_callbacks.backends.common.replay import LayerCall, Replay
 
 __all__ = ["LayerCall", "Replay", "is_traced", "replay"]
@@ -70,13 +70,7 @@ def _recorded(
 
         return recorded_call
 
-    with contextlib.ExitStack() as stack:
-        for layer in layers:
-            stack.enter_context(
-                replaced_on_instance(
-                    layer, {called_method(layer): wrap(layer, getattr(layer, called_method(layer)))}
-                )
-            )
+    with layer_calls_wrapped(layers, wrap):
         yield
 
 
