@@ -20,11 +20,10 @@ import warnings
 from typing import Any
 
 from mp_callbacks._backend import keras, tf
-from mp_callbacks._float8 import gradient_state, repair_amax_histories
+from mp_callbacks._float8 import gradient_state
 from mp_callbacks._keras_internals import (
     LossScaleSaveable,
     MultiWorkerSymbolicBuild,
-    all_layers,
     call_has_training_arg,
     compute_loss,
     in_multi_worker_mode,
@@ -33,12 +32,11 @@ from mp_callbacks._keras_internals import (
     make_step_function,
 )
 from mp_callbacks._loss_scale_argument import AUTO
+from mp_callbacks._model_base import ModelBase
 from mp_callbacks._model_building import (
     LOG_KEYS,
     construct,
     default_optimizer_argument,
-    warn_about_findings,
-    wrap_model,
 )
 from mp_callbacks.backends.tensorflow import step as tf_step
 from mp_callbacks.backends.tensorflow.forward_writes import written_variables
@@ -198,7 +196,7 @@ class _EpochSignals:
 
 
 @keras.saving.register_keras_serializable(package="mp_callbacks")
-class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
+class MixedPrecisionModel(MultiWorkerSymbolicBuild, ModelBase):
     """A Keras model that does loss scaling in its own `train_step`.
 
     Build it functionally, subclass it (with your own `call`, or your own
@@ -264,8 +262,6 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
     _loss_scale_chosen_by: str | None
     _epoch_signals: _EpochSignals
     _kept_batch: _KeptBatch
-    _checked_model: bool
-    _loading: bool
     _warned_unscaled_step: bool
 
     def __init__(self, *args: Any, loss_scale: Any = _AUTO, **kwargs: Any) -> None:
@@ -280,8 +276,6 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
             "_loss_scale_chosen_by": "user" if scaler is not None else None,
             "_epoch_signals": _EpochSignals(),
             "_kept_batch": _KeptBatch(),
-            "_checked_model": False,
-            "_loading": False,
             "_warned_unscaled_step": False,
         }
         for name, value in attributes.items():
@@ -290,38 +284,6 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
         if self.__dict__.get("_loss_scale") is scaler:  # tracked as before (TF checkpoints)
             del self.__dict__["_loss_scale"]
             self._loss_scale = scaler
-
-    # ------------------------------------------------------------ creation
-    @classmethod
-    def from_model(cls, model: keras.Model, loss_scale: Any = _AUTO, **kwargs: Any) -> MixedPrecisionModel:
-        """Wraps an existing Sequential or functional model.
-
-        The new model shares the original's layers and weights, and takes
-        its inputs and outputs in the same structure (a single input stays
-        a single tensor). If the original was compiled, the new one is
-        compiled with the same optimizer object, losses and metrics.
-
-        A model built under float32, with a mixed policy set as the global
-        policy afterwards (`keras.mixed_precision.set_global_policy`), is
-        brought into that policy: every layer that was built with the
-        default policy then computes in the global one (in place: the
-        layers are shared), except the layers that produce the model's
-        outputs, which stay float32 as `check_model` advises. Layers given
-        a dtype of their own keep it.
-
-        Args:
-            model: a built `keras.Sequential` or functional `keras.Model`.
-            loss_scale: as for `MixedPrecisionModel`. Defaults to "auto".
-            **kwargs: passed to the constructor (for example `name`).
-
-        Returns:
-            The new `MixedPrecisionModel`.
-
-        Raises:
-            ValueError: `model` has no known inputs and outputs (a
-                subclassed model: subclass `MixedPrecisionModel` instead).
-        """
-        return wrap_model(cls, model, loss_scale, kwargs)
 
     # ---------------------------------------------------------- loss scale
     @property
@@ -335,11 +297,6 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
         """The current loss scale, a float32 tensor (as on
         `LossScaleOptimizer` and in the logs); None before `compile`."""
         return None if self._loss_scale is None else self._loss_scale.loss_scale
-
-    def _computes_in_float16(self) -> bool:
-        if self.dtype_policy.compute_dtype == "float16":
-            return True
-        return any(getattr(layer, "compute_dtype", None) == "float16" for layer in all_layers(self))
 
     def _auto_loss_scale(self) -> LossScaler:
         if self._computes_in_float16():
@@ -497,32 +454,6 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
                 self.optimizer.build(self.trainable_variables)
         self._warn_about_findings()
 
-    def _warn_about_findings(self) -> None:
-        if self._checked_model:
-            return
-        self._checked_model = True
-        warn_about_findings(self, self._loading)
-
-    def compile_from_config(self, config: dict[str, Any]) -> None:
-        # Keras skips compile_from_config for models that override compile.
-        self._loading = True
-        try:
-            self.compile(**keras.saving.deserialize_keras_object(config))
-        finally:
-            self._loading = False
-
-    #: float8 layers' output-gradient scale and amax history follow the loss
-    #: scale when it changes (they hold scaled gradients' values); False
-    #: leaves them as stock Keras does, a binade or more off after a change.
-    float8_follows_loss_scale = True
-    #: The speed work of the step: on TensorFlow the update compiled by XLA
-    #: or gated write by write (`backends/tensorflow/skip.py`); on JAX the
-    #: gated writes; on torch the host's share of the scale's update. False
-    #: runs the reference step instead (TensorFlow: the update inside one
-    #: `tf.cond`, as Keras's `LossScaleOptimizer`), bit for bit the same
-    #: training, for a bug report or a comparison.
-    fast_step = True
-
     def _float8_following_the_scale(self) -> list[Any]:
         """The float8 state to rescale with the loss scale in this step."""
         if not self.float8_follows_loss_scale or not self._loss_scale.scaling_active:
@@ -531,13 +462,6 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, keras.Model):
             return []  # (each replica would write a mirrored variable)
         variables = self.trainable_variables
         return [variables[i] for i in gradient_state(variables)]
-
-    def fit(self, *args: Any, **kwargs: Any) -> Any:
-        """As `keras.Model.fit`; a float8 layer's amax history that holds
-        inf or NaN (a checkpoint of a run that diverged) is repaired first,
-        with a warning naming it (`_float8.repair_amax_histories`)."""
-        repair_amax_histories(self)
-        return super().fit(*args, **kwargs)
 
     def make_train_function(self, force: bool = False):
         """As Keras's, around `recorded_train_step`: the model's own

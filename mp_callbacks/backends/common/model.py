@@ -18,19 +18,16 @@ import numpy as np
 
 from mp_callbacks import _loss_scale_argument, _scale_state
 from mp_callbacks._backend import keras
-from mp_callbacks._float8 import repair_amax_histories
 from mp_callbacks._keras_internals import (
     LossScaleSaveable,
-    all_layers,
     keras_default_method,
 )
 from mp_callbacks._loss_scale_argument import AUTO
+from mp_callbacks._model_base import ModelBase
 from mp_callbacks._model_building import (
     LOG_KEYS,
     construct,
     default_optimizer_argument,
-    warn_about_findings,
-    wrap_model,
 )
 from mp_callbacks._validation import FLOAT32_MAX
 from mp_callbacks.backends.common.loss_scaler import LossScaler
@@ -138,7 +135,7 @@ class _KeptBatch:
             return self.kept
 
 
-class VariableScaleModel(keras.Model):
+class VariableScaleModel(ModelBase):
     """A `keras.Model` whose step scales the loss, skips non-finite steps
     (leaving every variable as it was) and reports `loss_scale`,
     `grad_norm` and `skipped_steps` in the training logs: what the JAX and
@@ -158,16 +155,6 @@ class VariableScaleModel(keras.Model):
     _mp_kept_barrier: Callable[[], None] | None = None
     #: The backend's `LossScaleOptimizer` (set by each backend's class).
     _mp_optimizer_class: type
-    #: float8 layers' output-gradient scale and amax history follow the loss
-    #: scale when it changes (they hold scaled gradients' values); False
-    #: leaves them as stock Keras does, a binade or more off after a change.
-    float8_follows_loss_scale = True
-    #: The speed work of the step (JAX: each write of the update gated;
-    #: torch: the host's share of the scale's update). False runs the
-    #: reference step, bit for bit the same training: JAX computes the
-    #: update and then chooses it with `where`; torch updates the scale's
-    #: state in tensors.
-    fast_step = True
 
     def __init__(self, *args: Any, loss_scale: Any = AUTO, **kwargs: Any) -> None:
         scaler = scaler_from_argument(loss_scale)
@@ -223,12 +210,6 @@ class VariableScaleModel(keras.Model):
             self.__dict__["_mp_loss_scale_saveable"] = saveable
         return saveable
 
-    @classmethod
-    def from_model(cls, model: keras.Model, loss_scale: Any = AUTO, **kwargs: Any) -> Any:
-        """Wraps a built Sequential or functional model, sharing its layers
-        and weights (see the TensorFlow backend's `from_model`)."""
-        return wrap_model(cls, model, loss_scale, kwargs)
-
     # ---------------------------------------------------------- loss scale
     def _optimizer_scaler(self) -> LossScaler | None:
         """The scaler of the loss-scale optimizer your own train_step
@@ -277,11 +258,6 @@ class VariableScaleModel(keras.Model):
         if state["lowest_scale"] == FLOAT32_MAX:
             state["lowest_scale"] = None
         return state
-
-    def _computes_in_float16(self) -> bool:
-        if self.dtype_policy.compute_dtype == "float16":
-            return True
-        return any(getattr(layer, "compute_dtype", None) == "float16" for layer in all_layers(self))
 
     def _loss_scale_is_auto(self) -> bool:
         """Whether compile chose the scale for the policy ("auto"), so that
@@ -438,27 +414,6 @@ class VariableScaleModel(keras.Model):
         if self.built and not self.optimizer.built:
             self.optimizer.build(self.trainable_variables)
         self._count_gradients()  # before a load restores them
-
-    def _warn_about_findings(self) -> None:
-        if self.__dict__.get("_mp_checked"):
-            return
-        self.__dict__["_mp_checked"] = True
-        warn_about_findings(self, self.__dict__.get("_mp_loading", False))
-
-    def compile_from_config(self, config: dict[str, Any]) -> None:
-        # Keras skips compile_from_config for models that override compile.
-        self.__dict__["_mp_loading"] = True
-        try:
-            self.compile(**keras.saving.deserialize_keras_object(config))
-        finally:
-            self.__dict__["_mp_loading"] = False
-
-    def fit(self, *args: Any, **kwargs: Any) -> Any:
-        """As `keras.Model.fit`; a float8 layer's amax history that holds
-        inf or NaN (a checkpoint of a run that diverged) is repaired first,
-        with a warning naming it (`_float8.repair_amax_histories`)."""
-        repair_amax_histories(self)
-        return super().fit(*args, **kwargs)
 
     def make_train_function(self, force: bool = False):
         if self._mp_settings is None:
