@@ -70,6 +70,13 @@ class ModelBase(keras.Model):
             return True
         return any(getattr(layer, "compute_dtype", None) == "float16" for layer in all_layers(self))
 
+    def _loss_scale_is_auto(self) -> bool:
+        """Whether compile chose the scale for the policy ("auto"), so that
+        a copy under another policy (PrecisionPlan.apply) chooses again.
+        `_mp_chosen_by`: who chose the loss scale, the user ("user") or
+        compile ("auto", or "off" for auto_scale_loss=False; None before)."""
+        return self.__dict__.get("_mp_chosen_by") in (None, "auto")
+
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         """As `keras.Model.fit`; a float8 layer's amax history that holds
         inf or NaN (a checkpoint of a run that diverged) is repaired first,

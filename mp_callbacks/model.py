@@ -259,7 +259,7 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, ModelBase):
     """
 
     _loss_scale: Any  # a LossScaler once compiled (None before, for "auto")
-    _loss_scale_chosen_by: str | None
+    _mp_chosen_by: str | None
     _epoch_signals: _EpochSignals
     _kept_batch: _KeptBatch
     _warned_unscaled_step: bool
@@ -273,7 +273,7 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, ModelBase):
             "_loss_scale": scaler,
             # Who chose the loss scale: the user, or compile ("auto", or no
             # scaling for auto_scale_loss=False), which may choose again.
-            "_loss_scale_chosen_by": "user" if scaler is not None else None,
+            "_mp_chosen_by": "user" if scaler is not None else None,
             "_epoch_signals": _EpochSignals(),
             "_kept_batch": _KeptBatch(),
             "_warned_unscaled_step": False,
@@ -306,20 +306,15 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, ModelBase):
     def _overrides_train_step(self) -> bool:
         return type(self).train_step is not MixedPrecisionModel.train_step
 
-    def _loss_scale_is_auto(self) -> bool:
-        """Whether compile chose the scale for the policy ("auto"), so that
-        a copy under another policy (PrecisionPlan.apply) chooses again."""
-        return self._loss_scale_chosen_by in (None, "auto")
-
     def set_loss_scale(self, loss_scale: Any) -> None:
         """Replaces the loss scale (same values as the `loss_scale`
         argument), for example between keras-tuner trials. Training resumes
         from the new object's state; the next `fit` retraces."""
         self._loss_scale = loss_scale_from_argument(loss_scale)
-        self._loss_scale_chosen_by = "user" if self._loss_scale is not None else None
+        self._mp_chosen_by = "user" if self._loss_scale is not None else None
         if self._loss_scale is None and self.compiled:
             self._loss_scale = self._auto_loss_scale()
-            self._loss_scale_chosen_by = "auto"
+            self._mp_chosen_by = "auto"
         if self._loss_scale is not None and self.built:
             with self.distribute_strategy.scope():
                 self._loss_scale.build(self.trainable_variables)
@@ -411,9 +406,9 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, ModelBase):
             adopted = LossScaler.fixed(float(optimizer.loss_scale_factor))
             optimizer.loss_scale_factor = None
         if adopted is not None:
-            if self._loss_scale_chosen_by != "user":
+            if self._mp_chosen_by != "user":
                 self._loss_scale = adopted
-                self._loss_scale_chosen_by = "user"
+                self._mp_chosen_by = "user"
                 logger.info("MixedPrecisionModel adopted %r from compile().", adopted)
             elif adopted is not self._loss_scale:
                 logger.info(
@@ -422,18 +417,18 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, ModelBase):
                     self._loss_scale,
                     adopted,
                 )
-        elif self._loss_scale_chosen_by == "user" and not auto_scale_loss:
+        elif self._mp_chosen_by == "user" and not auto_scale_loss:
             logger.info(
                 "MixedPrecisionModel keeps its loss scale %r: auto_scale_loss=False "
                 "only turns off loss_scale='auto'.",
                 self._loss_scale,
             )
         super().compile(optimizer, *args, auto_scale_loss=False, **kwargs)
-        if self._loss_scale_chosen_by != "user":
+        if self._mp_chosen_by != "user":
             choice = "auto" if auto_scale_loss else "off"
-            if self._loss_scale is None or self._loss_scale_chosen_by != choice:
+            if self._loss_scale is None or self._mp_chosen_by != choice:
                 self._loss_scale = self._auto_loss_scale() if auto_scale_loss else LossScaler.disabled()
-                self._loss_scale_chosen_by = choice
+                self._mp_chosen_by = choice
         if self._loss_scale.scaling_active or self._overrides_train_step():
             # As in Keras, a model that scales its loss trains through a
             # LossScaleOptimizer; and your own train_step applies through

@@ -259,11 +259,6 @@ class VariableScaleModel(ModelBase):
             state["lowest_scale"] = None
         return state
 
-    def _loss_scale_is_auto(self) -> bool:
-        """Whether compile chose the scale for the policy ("auto"), so that
-        a copy under another policy (PrecisionPlan.apply) chooses again."""
-        return self._mp_chosen_by in (None, "auto")
-
     def set_loss_scale(self, loss_scale: Any) -> None:
         """Replaces the loss scale (same values as the `loss_scale`
         argument). Training resumes from a LossScaler's state; "auto" or
