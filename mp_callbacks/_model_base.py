@@ -33,6 +33,12 @@ class ModelBase(keras.Model):
     #: in tensors), bit for bit the same training, for a bug report or a
     #: comparison.
     fast_step = True
+    #: The backend's own `train_step` (each backend's class sets it after
+    #: defining it): a subclass that overrides it brings its own step.
+    _mp_default_train_step: Any
+
+    def _has_own_train_step(self) -> bool:
+        return type(self).train_step is not type(self)._mp_default_train_step
 
     @classmethod
     def from_model(cls, model: keras.Model, loss_scale: Any = AUTO, **kwargs: Any) -> Any:

@@ -303,9 +303,6 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, ModelBase):
             return LossScaler()
         return LossScaler.disabled()
 
-    def _overrides_train_step(self) -> bool:
-        return type(self).train_step is not MixedPrecisionModel.train_step
-
     def set_loss_scale(self, loss_scale: Any) -> None:
         """Replaces the loss scale (same values as the `loss_scale`
         argument), for example between keras-tuner trials. Training resumes
@@ -429,7 +426,7 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, ModelBase):
             if self._loss_scale is None or self._mp_chosen_by != choice:
                 self._loss_scale = self._auto_loss_scale() if auto_scale_loss else LossScaler.disabled()
                 self._mp_chosen_by = choice
-        if self._loss_scale.scaling_active or self._overrides_train_step():
+        if self._loss_scale.scaling_active or self._has_own_train_step():
             # As in Keras, a model that scales its loss trains through a
             # LossScaleOptimizer; and your own train_step applies through
             # self.optimizer: never a non-finite update, the scale in reach.
@@ -481,7 +478,7 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, ModelBase):
         if loss_scale is None or loss_scale._record is not None:
             return self.train_step(data)  # a step inside a step joins it
         # The model's own step puts the forward pass's state back itself.
-        forward_state = self._read_forward_state(data) if self._overrides_train_step() else None
+        forward_state = self._read_forward_state(data) if self._has_own_train_step() else None
         with loss_scale.recording() as record:
             record.reference = not self.fast_step
             logs = self.train_step(data)
@@ -578,6 +575,8 @@ class MixedPrecisionModel(MultiWorkerSymbolicBuild, ModelBase):
                 loss_scale, self.optimizer, grads, variables, loss, restore_on_skip=restore, checked=checked
             )
         return dict(self.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
+
+    _mp_default_train_step = train_step
 
     def _read_forward_state(self, data: Any) -> list[tuple[Any, Any]]:
         """(variable, value) for the state a forward pass may change, read

@@ -148,9 +148,6 @@ class VariableScaleModel(ModelBase):
             non-finite steps are still skipped).
     """
 
-    #: The backend's own `train_step` (set by each backend's class): a
-    #: subclass that overrides it brings its own step.
-    _mp_default_train_step: Callable[..., Any]
     #: Waited for before the kept batch is read (JAX's host callbacks).
     _mp_kept_barrier: Callable[[], None] | None = None
     #: The backend's `LossScaleOptimizer` (set by each backend's class).
@@ -184,9 +181,6 @@ class VariableScaleModel(ModelBase):
         object.__setattr__(self, "_mp_scaler", scaler)
         construct(self, args, kwargs, lambda: super(VariableScaleModel, self).__init__(*args, **kwargs))
         self._count_gradients()
-
-    def _has_own_train_step(self) -> bool:
-        return type(self).train_step is not type(self)._mp_default_train_step
 
     @property
     def _mp_settings(self) -> _scale_state.ScaleSettings | None:
