@@ -84,11 +84,19 @@ def test_quick_bench_compares_every_policy_the_probe_does_not_rule_out(quick_ben
     for result in results.values():
         assert set(result) >= RESULT_FIELDS
         assert result["epoch_time_min"] <= result["epoch_time"] <= result["epoch_time_max"]
+        assert result["optimizer"] == "Adam" and not result["diverged"]
+        if result.get("stopped_early"):
+            # A mixed policy above the probe's cutoff (0.25x) that is still
+            # hopeless after its first epoch: one epoch of one run, and why.
+            # (Measured on a 2-core AMD EPYC: float16 at 0.26x in the probe.)
+            assert result["policy"] != "float32" and result["epochs"] == 1
+            assert result["epoch_times_of_runs"] == [result["epoch_time"]]
+            assert result["stopped_early"].startswith("stopped after its first epoch")
+            continue
         # Two alternating runs, and up to four while they do not separate.
         assert 2 <= len(result["epoch_times_of_runs"]) <= 4
         assert result["accuracy"] > 0.2  # ten classes: chance is 0.1
-        assert result["epochs"] == 4 and result["optimizer"] == "Adam"
-        assert not result["diverged"]
+        assert result["epochs"] == 4
     assert results["float32"]["speedup"] == 1.0
     assert document["recommended_policy"] == verdict(document["results"])[0]
     assert document["verdict"] == verdict(document["results"])[1]
