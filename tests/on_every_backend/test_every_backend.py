@@ -164,10 +164,16 @@ def test_float8_gradient_state_follows_a_loss_scale_back_off(follows):
     x = np.random.default_rng(0).normal(size=(16, 8)).astype("float32")
     model.fit(x[:8], np.zeros((8, 2), "float32"), batch_size=8, verbose=0)
     before = float8_state(model)
+    probe = x[:8], np.full((8, 2), 1e-3, "float32")
+    ratio_before = mp.diagnose_batch(model, *probe).float8["f8"]["outputs_grad"]["amax_ratio"]
     # Targets of 1e4: the float16 layer's scaled gradient overflows; skipped.
     history = model.fit(x[8:], np.full((8, 2), 1e4, "float32"), batch_size=8, verbose=0).history
     assert history["skipped_steps"] == [1.0] and history["loss_scale"] == [2.0**14]
     after = float8_state(model)
+    # Measured in the next step's gradients: the E5M2 scale's footing is
+    # right at once (stock's is a binade off until the history rolls over).
+    ratio_after = mp.diagnose_batch(model, *probe).float8["f8"]["outputs_grad"]["amax_ratio"]
+    assert ratio_after == pytest.approx(ratio_before * (1.0 if follows else 0.5), rel=1e-6)
     factor = 0.5 if follows else 1.0
     for name in ("f8/outputs_grad_scale", "f8/outputs_grad_amax_history"):
         assert before[name].max() > 0
